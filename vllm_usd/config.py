@@ -1,0 +1,138 @@
+"""The ``additional_config["usd"]`` settings, validated at start-up.
+
+No vLLM import: the proposer passes in the plain dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+PROPOSER_CLASS = "vllm_usd.UniversalProposer"
+CONFIG_KEY = "usd"
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class UsdConfig:
+    """Settings under ``additional_config={"usd": {...}}``.
+
+    drafter:               local folder or hub id of the drafter (required).
+    drafter_dtype:         "float32" (default), "bfloat16", "float16" or "auto".
+    drafter_revision:      hub revision of the drafter (model and tokenizer).
+    drafter_max_model_len: cap on the drafter's context; requests past it get no drafts.
+    draft_sampling:        "auto" drafts like the request samples; "greedy" always argmax.
+    trust_remote_code:     for the drafter; defaults to the target's setting.
+    drafter_kv_budget_gb:  memory for the drafter's KV cache; past it, requests get no drafts.
+    drafter_max_num_seqs:  requests drafted for at once; defaults to vLLM's max_num_seqs.
+    min_intersection:      smallest shared share of the drafter vocabulary accepted.
+    seed:                  seed for drafting in requests without their own seed.
+    pruned_head:           compute drafter logits only for shared tokens (same q, less work).
+    profile:               time the proposer's phases (see UniversalProposer.timings).
+    """
+
+    drafter: str
+    drafter_dtype: str = "float32"
+    drafter_revision: str | None = None
+    drafter_max_model_len: int | None = None
+    draft_sampling: str = "auto"
+    trust_remote_code: bool | None = None
+    drafter_kv_budget_gb: float = 2.0
+    drafter_max_num_seqs: int | None = None
+    min_intersection: float = 0.01
+    seed: int = 0
+    pruned_head: bool = True
+    profile: bool = False
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "drafter": (str,),
+    "drafter_dtype": (str,),
+    "drafter_revision": (str, type(None)),
+    "drafter_max_model_len": (int, type(None)),
+    "draft_sampling": (str,),
+    "trust_remote_code": (bool, type(None)),
+    "drafter_kv_budget_gb": (int, float),
+    "drafter_max_num_seqs": (int, type(None)),
+    "min_intersection": (int, float),
+    "seed": (int,),
+    "pruned_head": (bool,),
+    "profile": (bool,),
+}
+_CHOICES = {
+    "drafter_dtype": ("float32", "bfloat16", "float16", "auto"),
+    "draft_sampling": ("auto", "greedy"),
+}
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def parse_usd_config(additional_config: Any) -> UsdConfig:
+    """Validate ``additional_config`` and return the ``usd`` settings.
+
+    Every problem is a one-line ValueError that names the key and the fix.
+    """
+    valid = ", ".join(f.name for f in fields(UsdConfig))
+    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        raise ValueError(
+            f"vllm-usd: additional_config has no '{CONFIG_KEY}' section. Pass "
+            f"additional_config={{\"{CONFIG_KEY}\": {{\"drafter\": \"<folder or hub id>\"}}}} "
+            f"(or --additional-config '{{\"{CONFIG_KEY}\": {{\"drafter\": ...}}}}'). Valid keys: {valid}."
+        )
+    raw = additional_config[CONFIG_KEY]
+    if not isinstance(raw, dict):
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY} must be a JSON object, got {type(raw).__name__}.")
+    for key in raw:
+        if key not in _TYPES:
+            raise ValueError(f"vllm-usd: unknown key '{key}' in additional_config.{CONFIG_KEY}. Valid keys: {valid}.")
+    if "drafter" not in raw or not raw["drafter"]:
+        raise ValueError(
+            f"vllm-usd: additional_config.{CONFIG_KEY}.drafter is missing: set it to the drafter's local "
+            "folder or hub id."
+        )
+    for key, value in raw.items():
+        types = _TYPES[key]
+        if isinstance(value, bool) and bool not in types:  # bool is an int subclass
+            types = ()
+        if not isinstance(value, types):
+            raise ValueError(
+                f"vllm-usd: additional_config.{CONFIG_KEY}.{key} must be {_type_names(_TYPES[key])}, "
+                f"got {value!r} ({type(value).__name__})."
+            )
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ValueError(
+                f"vllm-usd: additional_config.{CONFIG_KEY}.{key} = {value!r}; choose one of {', '.join(_CHOICES[key])}."
+            )
+    cfg = UsdConfig(**raw)
+    for key in ("drafter_max_model_len", "drafter_max_num_seqs"):
+        value = getattr(cfg, key)
+        if value is not None and value < 1:
+            raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.{key} must be >= 1, got {value}.")
+    if not 0 < cfg.drafter_kv_budget_gb <= 1024:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.drafter_kv_budget_gb must be in (0, 1024].")
+    if not 0 <= cfg.min_intersection <= 1:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.min_intersection must be in [0, 1].")
+    return cfg
+
+
+def check_num_speculative_tokens(k: int) -> None:
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"vllm-usd: num_speculative_tokens = {k}; use 1..{MAX_SPECULATIVE_TOKENS} (typically 2-5)."
+        )
+
+
+def speculative_args(drafter: str, k: int = 3, **usd: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM(...)`` that turn vllm-usd on.
+
+    >>> LLM(model=target, **speculative_args(drafter="path/to/small-model", k=3))
+    """
+    check_num_speculative_tokens(k)
+    additional = {CONFIG_KEY: {"drafter": drafter, **usd}}
+    parse_usd_config(additional)
+    return {
+        "speculative_config": {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k},
+        "additional_config": additional,
+    }

@@ -1,0 +1,58 @@
+"""The interface the proposer drafts through."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+
+class DrafterRuntime(ABC):
+    """A drafter model with a KV cache per request.
+
+    Requests are keyed by vLLM's req_id. For each request the runtime keeps
+    the drafter tokens whose KV it holds; ``forward`` rolls that back to a
+    given length, appends new tokens and returns the logits after the last one.
+    """
+
+    #: logits columns that ``forward`` returns (the intersection after
+    #: ``set_output_rows``, otherwise the drafter's full vocabulary).
+    num_outputs: int
+    #: the longest drafter sequence a request may reach.
+    max_len: int
+
+    @abstractmethod
+    def set_output_rows(self, rows: torch.Tensor) -> None:
+        """Return logits only for these drafter ids ([n], ascending) from now on."""
+
+    @abstractmethod
+    def add(self, req_id: str) -> bool:
+        """Make room for a request. False when the memory budget is full."""
+
+    @abstractmethod
+    def free(self, req_id: str) -> None:
+        """Forget a request and release its KV (no-op if unknown)."""
+
+    @abstractmethod
+    def has(self, req_id: str) -> bool: ...
+
+    @property
+    @abstractmethod
+    def num_requests(self) -> int: ...
+
+    @abstractmethod
+    def cached_tokens(self, req_id: str) -> list[int]:
+        """The drafter tokens whose KV is held for ``req_id``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        req_ids: Sequence[str],
+        keep: Sequence[int],
+        new_tokens: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """For each request: keep its first ``keep[i]`` cached tokens, append
+        ``new_tokens[i]`` (non-empty), and return the logits after the last
+        one. Returns [len(req_ids), num_outputs] float32.
+        """

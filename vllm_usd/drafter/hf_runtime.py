@@ -1,0 +1,334 @@
+"""A drafter runtime on a Hugging Face transformers model.
+
+The drafter keeps its own KV cache, apart from vLLM's: one slot per request
+in per-layer buffers ``[slots, kv_heads, max_len, head_dim]``. Active requests
+occupy slots ``0..n-1`` (a freed slot is refilled from the last one), so a
+batched forward reads the cache as a strided view with no gather. Attention is
+a small registered transformers attention function that folds the GQA group
+into the query length and applies a per-row causal (and sliding-window) mask.
+Because the cache is private, the drafter may have any attention layout
+(e.g. Gemma-3's sliding-window layers), unlike a drafter that shares the
+target's KV cache groups.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm_usd.drafter.base import DrafterRuntime
+
+logger = logging.getLogger("vllm.usd")
+
+ATTN_NAME = "vllm_usd_slots"
+# Requests with more new tokens than this in one step (a prompt) are run in
+# their own forward, so they do not pad everyone else's batch.
+PREFILL_SPLIT = 16
+
+
+@dataclass
+class _Batch:
+    """Masks for one forward; read by the attention function."""
+
+    full: torch.Tensor  # [R, 1, T, Lk] additive
+    qpos: torch.Tensor  # [R, T] absolute query positions
+    kpos: torch.Tensor  # [Lk]
+    sliding: dict[int, torch.Tensor]
+
+
+_CURRENT: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("vllm_usd_batch", default=None)
+
+
+def _mask_for(batch: _Batch, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    if not window:
+        return batch.full
+    mask = batch.sliding.get(window)
+    if mask is None:
+        too_old = batch.kpos.view(1, 1, 1, -1) <= (batch.qpos - window).unsqueeze(1).unsqueeze(-1)
+        mask = batch.full.masked_fill(too_old, torch.finfo(dtype).min)
+        batch.sliding[window] = mask
+    return mask
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                   sliding_window=None, softcap=None, **kwargs):
+    """query [R, H, T, D]; key/value [R, Hkv, Lk, D] (views into the slot cache)."""
+    batch = _CURRENT.get()
+    r, h, t, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    g = h // hkv
+    if scaling is None:
+        scaling = d ** -0.5
+    q = query.reshape(r * hkv, g * t, d)
+    k = key.reshape(r * hkv, lk, d)
+    v = value.reshape(r * hkv, lk, value.shape[-1])
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)  # [R*Hkv, G*T, Lk]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = _mask_for(batch, sliding_window, scores.dtype) if batch is not None else attention_mask
+    scores = scores.view(r, hkv, g, t, lk) + mask.unsqueeze(2)  # mask [R,1,1,T,Lk]
+    probs = scores.float().softmax(dim=-1).to(v.dtype).view(r * hkv, g * t, lk)
+    out = torch.bmm(probs, v)  # [R*Hkv, G*T, Dv]
+    out = out.view(r, hkv, g, t, -1).reshape(r, h, t, -1).transpose(1, 2).contiguous()
+    return out, None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, slot_attention)
+
+
+class _SlotCacheView:
+    """What the model sees as ``past_key_values`` during one forward."""
+
+    is_compileable = False
+
+    def __init__(self, runtime: "HFDrafterRuntime", lo: int, hi: int, rows: torch.Tensor,
+                 pos: torch.Tensor, key_len: int) -> None:
+        self._rt, self._lo, self._hi = runtime, lo, hi
+        self._rows, self._pos, self._key_len = rows, pos, key_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        kbuf, vbuf = self._rt._k[layer_idx], self._rt._v[layer_idx]
+        # key_states [R, Hkv, T, D] -> written at [slot, :, pos]
+        kbuf[self._rows, :, self._pos] = key_states.transpose(1, 2).to(kbuf.dtype)
+        vbuf[self._rows, :, self._pos] = value_states.transpose(1, 2).to(vbuf.dtype)
+        return (kbuf[self._lo:self._hi, :, : self._key_len],
+                vbuf[self._lo:self._hi, :, : self._key_len])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._key_len
+
+    def __len__(self) -> int:
+        return len(self._rt._k)
+
+
+class DrafterLoadError(ValueError):
+    pass
+
+
+def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = None,
+                 trust_remote_code: bool = False):
+    """Load (model, tokenizer) with clear, single-line errors."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where = f"additional_config.usd.drafter = {path!r}"
+    if os.path.sep in path and not os.path.exists(path):
+        raise DrafterLoadError(f"vllm-usd: drafter folder not found ({where}). Point it at a local model folder or a hub id.")
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise DrafterLoadError(
+                f"vllm-usd: the drafter needs custom code ({where}); vllm-usd never enables it by itself. "
+                "Set usd.trust_remote_code = true only if you trust that repository."
+            ) from exc
+        raise DrafterLoadError(f"vllm-usd: cannot read the drafter's config ({where}): {exc}") from exc
+    except OSError as exc:
+        raise DrafterLoadError(f"vllm-usd: cannot load the drafter ({where}): {str(exc).splitlines()[0]}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001
+        raise DrafterLoadError(
+            f"vllm-usd: the drafter has no readable tokenizer ({where}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
+            "Save the tokenizer next to the drafter's weights."
+        ) from exc
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise DrafterLoadError(f"vllm-usd: the drafter's tokenizer has no tokenizer.json (fast tokenizer) ({where}).")
+    _register_attention()
+    torch_dtype = getattr(config, "torch_dtype", None) if dtype == "auto" else getattr(torch, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
+            attn_implementation=ATTN_NAME,
+        )
+    except ValueError as exc:
+        raise DrafterLoadError(
+            f"vllm-usd: the drafter is not a causal language model ({where}): {str(exc).splitlines()[0]}"
+        ) from exc
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+class HFDrafterRuntime(DrafterRuntime):
+    """A transformers causal LM with a private slot KV cache."""
+
+    def __init__(self, model, *, max_len: int, max_requests: int, kv_budget_bytes: int) -> None:
+        self.model = model
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self._num_layers = cfg.num_hidden_layers
+        self._kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.max_len = min(max_len, int(getattr(cfg, "max_position_embeddings", max_len) or max_len))
+        self._max_requests = max_requests
+        self._budget = kv_budget_bytes
+        self._dtype = next(model.parameters()).dtype
+        self._bytes_per_token = self._num_layers * 2 * self._kv_heads * self._head_dim * self._dtype.itemsize
+        self._base = getattr(model, model.base_model_prefix)
+        head = model.get_output_embeddings()
+        self._head_weight = head.weight
+        self._head_bias = getattr(head, "bias", None)
+        self.num_outputs = self._head_weight.shape[0]
+
+        self._slot_cap, self._len_cap = 0, 0
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._slot_of: dict[str, int] = {}
+        self._req_at: list[str] = []  # slot -> req_id, slots 0..n-1 in use
+        self._tokens: dict[str, list[int]] = {}
+
+    # -- capacity -----------------------------------------------------------------
+    @property
+    def kv_bytes(self) -> int:
+        return self._slot_cap * self._len_cap * self._bytes_per_token
+
+    def _grow(self, slots: int, length: int) -> bool:
+        slots = max(slots, self._slot_cap)
+        length = min(max(length, self._len_cap), self.max_len)
+        if slots <= self._slot_cap and length <= self._len_cap:
+            return True
+        # grow geometrically, but never past the budget
+        new_slots = min(max(slots, 2 * self._slot_cap if slots > self._slot_cap else self._slot_cap, 4), self._max_requests)
+        new_len = min(max(length, 2 * self._len_cap if length > self._len_cap else self._len_cap, 256), self.max_len)
+        if new_slots < slots or new_len < length:
+            return False
+        while new_slots * new_len * self._bytes_per_token > self._budget:
+            if new_len > length:
+                new_len = max(length, new_len // 2)
+            elif new_slots > slots:
+                new_slots = max(slots, new_slots // 2)
+            else:
+                return False
+        shape = (new_slots, self._kv_heads, new_len, self._head_dim)
+        k = [torch.zeros(shape, dtype=self._dtype) for _ in range(self._num_layers)]
+        v = [torch.zeros(shape, dtype=self._dtype) for _ in range(self._num_layers)]
+        n, m = len(self._req_at), min(self._len_cap, new_len)
+        for layer in range(len(self._k)):
+            k[layer][:n, :, :m] = self._k[layer][:n, :, :m]
+            v[layer][:n, :, :m] = self._v[layer][:n, :, :m]
+        self._k, self._v = k, v
+        self._slot_cap, self._len_cap = new_slots, new_len
+        return True
+
+    # -- requests ------------------------------------------------------------------
+    def set_output_rows(self, rows: torch.Tensor) -> None:
+        full = self.model.get_output_embeddings()
+        self._head_weight = full.weight.index_select(0, rows).contiguous()
+        bias = getattr(full, "bias", None)
+        self._head_bias = bias.index_select(0, rows) if bias is not None else None
+        self.num_outputs = int(rows.numel())
+
+    def add(self, req_id: str) -> bool:
+        if req_id in self._slot_of:
+            return True
+        n = len(self._req_at)
+        if n >= self._max_requests or not self._grow(n + 1, max(self._len_cap, 1)):
+            return False
+        self._slot_of[req_id] = n
+        self._req_at.append(req_id)
+        self._tokens[req_id] = []
+        return True
+
+    def free(self, req_id: str) -> None:
+        slot = self._slot_of.pop(req_id, None)
+        if slot is None:
+            return
+        self._tokens.pop(req_id, None)
+        last = len(self._req_at) - 1
+        moved = self._req_at.pop()
+        if slot != last:  # keep slots 0..n-1 dense: move the last one into the hole
+            length = len(self._tokens[moved])
+            for layer in range(self._num_layers):
+                self._k[layer][slot, :, :length] = self._k[layer][last, :, :length]
+                self._v[layer][slot, :, :length] = self._v[layer][last, :, :length]
+            self._req_at[slot] = moved
+            self._slot_of[moved] = slot
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._slot_of
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._req_at)
+
+    def cached_tokens(self, req_id: str) -> list[int]:
+        return self._tokens[req_id]
+
+    # -- forward ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, req_ids: Sequence[str], keep: Sequence[int],
+                new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        out = torch.empty(len(req_ids), self.num_outputs, dtype=torch.float32)
+        long_rows = [i for i, t in enumerate(new_tokens) if len(t) > PREFILL_SPLIT]
+        short_rows = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_SPLIT]
+        for i in long_rows:
+            out[i] = self._run([req_ids[i]], [keep[i]], [new_tokens[i]])[0]
+        if short_rows:
+            if len(short_rows) == len(req_ids):
+                out[:] = self._run(req_ids, keep, new_tokens)
+            else:
+                out[torch.tensor(short_rows)] = self._run(
+                    [req_ids[i] for i in short_rows], [keep[i] for i in short_rows],
+                    [new_tokens[i] for i in short_rows])
+        return out
+
+    def _run(self, req_ids: Sequence[str], keep: Sequence[int],
+             new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        slots = [self._slot_of[r] for r in req_ids]
+        lo, hi = min(slots), max(slots) + 1
+        rows_n = hi - lo
+        t_max = max(len(t) for t in new_tokens)
+        # Rows of the slot range that are not in this call keep their length and
+        # compute one throw-away query at their next free position.
+        starts = [len(self._tokens[self._req_at[s]]) for s in range(lo, hi)]
+        n_new = [0] * rows_n
+        tokens = torch.zeros(rows_n, t_max, dtype=torch.long)
+        for r, s, k, new in zip(req_ids, slots, keep, new_tokens):
+            row = s - lo
+            starts[row] = k
+            n_new[row] = len(new)
+            tokens[row, : len(new)] = torch.tensor(new, dtype=torch.long)
+        if max(st + t_max for st in starts) > self.max_len:
+            raise ValueError("drafter context full")
+        if not self._grow(self._slot_cap, max(st + t_max for st in starts)):
+            raise MemoryError("drafter KV budget exhausted")
+
+        start_t = torch.tensor(starts, dtype=torch.long)
+        pos = start_t.unsqueeze(1) + torch.arange(t_max).unsqueeze(0)  # [R, T]
+        key_len = int(pos.max()) + 1
+        kpos = torch.arange(key_len)
+        allowed = kpos.view(1, 1, 1, -1) <= pos.view(rows_n, 1, t_max, 1)  # causal within each row
+        full = torch.zeros(allowed.shape, dtype=self._dtype).masked_fill_(~allowed, torch.finfo(self._dtype).min)
+        batch = _Batch(full=full, qpos=pos, kpos=kpos, sliding={})
+        rows = torch.arange(lo, hi).unsqueeze(1).expand(rows_n, t_max)
+        cache = _SlotCacheView(self, lo, hi, rows, pos, key_len)
+
+        token = _CURRENT.set(batch)
+        try:
+            hidden = self._base(
+                input_ids=tokens, position_ids=pos, attention_mask=full,
+                past_key_values=cache, use_cache=True,
+            ).last_hidden_state  # [R, T, hidden]
+        finally:
+            _CURRENT.reset(token)
+        # the last new token of each requested row
+        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long)
+        sel_cols = torch.tensor([len(t) - 1 for t in new_tokens], dtype=torch.long)
+        last = hidden[sel_rows, sel_cols]  # [B, hidden]
+        logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()
+        if self._final_softcap:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+
+        for r, k, new in zip(req_ids, keep, new_tokens):
+            toks = self._tokens[r]
+            del toks[k:]
+            toks.extend(new)
+        return logits

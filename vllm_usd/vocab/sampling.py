@@ -1,0 +1,131 @@
+"""Draft one token per row from the intersection, and say exactly what q was.
+
+The drafter's logits are restricted to the intersection (renormalised there by
+the softmax), then each row's temperature, top-k and top-p are applied. The
+resulting q is the distribution the draft is drawn from, and is what the
+target's rejection sampler must see. Greedy rows take the argmax; their q is
+one-hot at the draft, which vLLM's rejection sampler treats exactly like "no
+q" (accept iff u <= p(d); residual is p with d removed), so it is lossless
+whether or not a q tensor is handed over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftSamplingParams:
+    """Per-row settings for one batch of drafts.
+
+    temperature: [B] float, ignored for greedy rows.
+    top_k:       [B] int64, <= 0 or >= n means off.
+    top_p:       [B] float, >= 1 means off.
+    greedy:      [B] bool.
+    generators:  per row, a torch.Generator for seeded requests, else None
+                 (those rows share ``shared_generator``).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    generators: list[torch.Generator | None]
+    any_top_k: bool = False
+    any_top_p: bool = False
+    all_greedy: bool = False
+    all_random: bool = False
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        greedy: list[bool],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> "DraftSamplingParams":
+        b = len(temperature)
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32),
+            top_k=torch.tensor(top_k, dtype=torch.long),
+            top_p=torch.tensor(top_p, dtype=torch.float32),
+            greedy=torch.tensor(greedy, dtype=torch.bool),
+            generators=list(generators) if generators is not None else [None] * b,
+            any_top_k=any(0 < k for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+        )
+
+    def select(self, rows: torch.Tensor) -> "DraftSamplingParams":
+        idx = rows.tolist()
+        return DraftSamplingParams(
+            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows],
+            [self.generators[i] for i in idx], self.any_top_k, self.any_top_p,
+            bool(self.greedy[rows].all()), not bool(self.greedy[rows].any()),
+        )
+
+
+def draft_distribution(logits: torch.Tensor, params: DraftSamplingParams) -> torch.Tensor:
+    """q over the intersection. logits: [B, n] (already restricted) -> q: [B, n] float32.
+
+    Greedy rows get a softmax at temperature 1 here; ``sample_drafts`` replaces
+    it with the one-hot q they are actually drawn from.
+    """
+    logits = logits.to(torch.float32)
+    temp = torch.where(params.greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = logits / temp.clamp_min(1e-5).unsqueeze(-1)
+    if params.any_top_k or params.any_top_p:
+        n = scaled.shape[-1]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if params.any_top_k:
+            k = torch.where((params.top_k <= 0) | (params.top_k > n), torch.full_like(params.top_k, n), params.top_k)
+            drop |= torch.arange(n).unsqueeze(0) >= k.unsqueeze(-1)
+        if params.any_top_p:
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+            drop |= mass_before >= params.top_p.unsqueeze(-1)
+        drop[:, 0] = False  # always keep the best token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    return scaled.softmax(dim=-1)
+
+
+def sample_drafts(
+    logits: torch.Tensor,
+    params: DraftSamplingParams,
+    shared_generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one draft per row.
+
+    logits: [B, n] restricted to the intersection (``draft_ids`` order).
+    Returns (index [B] into the intersection, q [B, n] float32), where q is the
+    exact distribution each row's index was drawn from.
+    """
+    if params.all_greedy:
+        index = logits.argmax(dim=-1)
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        q.scatter_(-1, index.unsqueeze(-1), 1.0)
+        return index, q
+    q = draft_distribution(logits, params)
+    index = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy_rows = params.greedy.nonzero().squeeze(-1).tolist() if not params.all_random else []
+    is_greedy = set(greedy_rows)
+    seeded = [i for i, g in enumerate(params.generators) if g is not None and i not in is_greedy]
+    shared = [i for i, g in enumerate(params.generators) if g is None and i not in is_greedy]
+    for i in seeded:
+        index[i] = torch.multinomial(q[i], 1, generator=params.generators[i])[0]
+    if shared:
+        rows = torch.tensor(shared, dtype=torch.long, device=logits.device)
+        index[rows] = torch.multinomial(q[rows], 1, generator=shared_generator).squeeze(-1)
+    if greedy_rows:
+        g_rows = torch.tensor(greedy_rows, dtype=torch.long, device=logits.device)
+        g_index = logits[g_rows].argmax(dim=-1)
+        index[g_rows] = g_index
+        q[g_rows] = 0.0
+        q[g_rows, g_index] = 1.0
+    return index, q
