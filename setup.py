@@ -30,7 +30,7 @@ setup(
         "cuda": [f"vllm=={VLLM_MINOR}"],
         "xformers": ["xformers"],
         # gguf: converting the real model pair; hypothesis: property tests.
-        "test": ["pytest>=8", "hypothesis>=6", "gguf>=0.10", "openai>=1.0", "requests"],
+        "test": ["pytest>=8", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests"],
         "bench": ["matplotlib"],
     },
     entry_points={

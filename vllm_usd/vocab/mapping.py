@@ -18,13 +18,24 @@ from vllm_usd.vocab.token_bytes import ROLES, TokenTable, build_token_table
 DEFAULT_MIN_SHARE = 0.01
 
 
-def _lowest_id_per_bytes(table: TokenTable) -> dict[bytes, int]:
-    """bytes -> lowest id that decodes to them, over ordinary (non-special) ids."""
-    first: dict[bytes, int] = {}
-    for tid, b in enumerate(table.token_bytes):  # ascending ids: lowest wins
-        if b and b not in first:
-            first[b] = tid
-    return first
+def canonical_id_per_bytes(table: TokenTable) -> dict[bytes, int]:
+    """bytes -> the one id that stands for them, over ordinary (non-special) ids.
+
+    When several ids decode to the same bytes, a real piece beats a
+    byte-fallback piece (SentencePiece has both "a" and <0x61>; the model
+    predicts the first, and the tokenizer only emits <0x61> for bytes it has
+    no piece for); otherwise the lowest id wins. Deterministic, and
+    independent of any dict order.
+    """
+    chosen: dict[bytes, int] = {}
+    fallback = table.fallback_ids
+    for tid, b in enumerate(table.token_bytes):  # ascending ids
+        if not b:
+            continue
+        have = chosen.get(b)
+        if have is None or (have in fallback and tid not in fallback):
+            chosen[b] = tid
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -89,8 +100,8 @@ class VocabMapping:
         target_strings=None,
         draft_strings=None,
     ) -> "VocabMapping":
-        t_first = _lowest_id_per_bytes(t_table)
-        d_first = _lowest_id_per_bytes(d_table)
+        t_first = canonical_id_per_bytes(t_table)
+        d_first = canonical_id_per_bytes(d_table)
         pairs: dict[int, int] = {}  # draft id -> target id
         for b, did in d_first.items():
             tid = t_first.get(b)

@@ -152,6 +152,7 @@ class TokenTable:
     name: str
     token_bytes: tuple[bytes, ...]
     special_ids: frozenset[int]
+    fallback_ids: frozenset[int]  # byte-fallback pieces (<0xNN>) the decoder turned into raw bytes
     roles: dict[str, int]
     content_hash: str
 
@@ -201,6 +202,7 @@ def build_token_table(tokenizer, vocab_size: int | None = None) -> TokenTable:
     special.update(int(t) for t in getattr(tokenizer, "all_special_ids", []) if t is not None)
 
     out: list[bytes] = []
+    fallback: set[int] = set()
     for i in range(n):
         tok = backend.id_to_token(i) if i < n_tok else None
         if tok is None or i in special:
@@ -209,7 +211,10 @@ def build_token_table(tokenizer, vocab_size: int | None = None) -> TokenTable:
         pieces: _Pieces = [tok]
         fused = False
         for step in steps:
+            before = pieces
             pieces = _decode_step(step, pieces, fused)
+            if step.get("type") == "ByteFallback" and pieces != before:
+                fallback.add(i)
             fused = fused or step.get("type") == "Fuse"
         out.append(b"".join(p.encode("utf-8") if isinstance(p, str) else p for p in pieces))
 
@@ -220,6 +225,7 @@ def build_token_table(tokenizer, vocab_size: int | None = None) -> TokenTable:
         name=tokenizer_name(tokenizer),
         token_bytes=tuple(out),
         special_ids=frozenset(i for i in special if i < n),
+        fallback_ids=frozenset(fallback),
         roles=roles,
         content_hash=digest.hexdigest(),
     )

