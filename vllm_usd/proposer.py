@@ -9,6 +9,7 @@ probabilities just after.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -55,7 +56,8 @@ class UniversalProposer:
     def __init__(self, vllm_config: Any) -> None:
         compat.require_supported()
         compat.install_runner_hook()
-        compat.install_cpu_expand_fix()
+        if os.environ.get("VLLM_USD_TEST_FAULT", "") != "no_cpu_fix":
+            compat.install_cpu_expand_fix()
         self.config: UsdConfig = parse_usd_config(getattr(vllm_config, "additional_config", None))
         self.k = compat.num_speculative_tokens(vllm_config)
         check_num_speculative_tokens(self.k)
@@ -103,6 +105,12 @@ class UniversalProposer:
         self._q_buffer: torch.Tensor | None = None  # [rows, k, V_target], zero off the intersection
         self._last_q: torch.Tensor | None = None
         self._warned: set[str] = set()
+        # Test-only planted bugs, to show the statistical test catches them:
+        # "scramble_q" hands q on the wrong ids, "omit_q" hands no q for sampled drafts,
+        # "no_cpu_fix" leaves vLLM's broken CPU expand_batch_to_tokens in place.
+        self._fault = os.environ.get("VLLM_USD_TEST_FAULT", "")
+        if self._fault:
+            logger.warning("vllm-usd: TEST FAULT %r planted: output is NOT lossless", self._fault)
         self.timings: dict[str, float] = defaultdict(float)
         self.counters: dict[str, int] = defaultdict(int)
         logger.info(
@@ -291,7 +299,9 @@ class UniversalProposer:
             target = self._target_ids[index].tolist()  # [B, k] target ids
             for row, ids in zip(rows, target):
                 drafts[row] = ids
-            if not params.all_greedy:
+            if self._fault == "scramble_q":
+                qs = [q.roll(1, dims=-1) for q in qs]
+            if not params.all_greedy and self._fault != "omit_q":
                 self._last_q = self._fill_q(rows, qs, len(sampled_token_ids))
         self.counters["steps"] += 1
         self.counters["drafted_rows"] += len(rows)

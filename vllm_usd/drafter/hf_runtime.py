@@ -152,6 +152,8 @@ def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = No
         raise DrafterLoadError(
             f"vllm-usd: the drafter is not a causal language model ({where}): {str(exc).splitlines()[0]}"
         ) from exc
+    except OSError as exc:
+        raise DrafterLoadError(f"vllm-usd: cannot load the drafter's weights ({where}): {str(exc).splitlines()[0]}") from exc
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

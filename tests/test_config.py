@@ -1,0 +1,87 @@
+"""Start-up validation of additional_config["usd"] and of the proposer's inputs. No engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import vllm_usd
+from vllm_usd.config import parse_usd_config
+
+
+def test_defaults_and_helper():
+    cfg = parse_usd_config({"usd": {"drafter": "some/model"}})
+    assert cfg.drafter == "some/model" and cfg.draft_sampling == "auto" and cfg.trust_remote_code is None
+    args = vllm_usd.speculative_args(drafter="d", k=4, draft_sampling="greedy")
+    assert args["speculative_config"] == {"method": "custom_class", "model": "vllm_usd.UniversalProposer",
+                                          "num_speculative_tokens": 4}
+    assert args["additional_config"] == {"usd": {"drafter": "d", "draft_sampling": "greedy"}}
+
+
+@pytest.mark.parametrize("additional,message", [
+    (None, "has no 'usd' section"),
+    ({}, "has no 'usd' section"),
+    ({"usd": "x"}, "must be a JSON object"),
+    ({"usd": {}}, "drafter is missing"),
+    ({"usd": {"drafter": "d", "drafterr": 1}}, r"unknown key 'drafterr'.*Valid keys: drafter, drafter_dtype"),
+    ({"usd": {"drafter": "d", "seed": "1"}}, r"usd\.seed must be int, got '1'"),
+    ({"usd": {"drafter": "d", "pruned_head": 1}}, r"usd\.pruned_head must be bool"),
+    ({"usd": {"drafter": "d", "seed": True}}, r"usd\.seed must be int"),
+    ({"usd": {"drafter": "d", "draft_sampling": "random"}}, r"choose one of auto, greedy"),
+    ({"usd": {"drafter": "d", "drafter_kv_budget_gb": -1}}, r"drafter_kv_budget_gb must be in"),
+    ({"usd": {"drafter": "d", "drafter_max_model_len": 0}}, r"drafter_max_model_len must be >= 1"),
+])
+def test_bad_config_is_one_clear_line(additional, message):
+    with pytest.raises(ValueError, match=message) as err:
+        parse_usd_config(additional)
+    assert "\n" not in str(err.value) and str(err.value).startswith("vllm-usd:")
+
+
+@pytest.mark.parametrize("k", [0, 100])
+def test_bad_num_speculative_tokens(k):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        vllm_usd.speculative_args(drafter="d", k=k)
+
+
+def _vllm_config(target: str, usd: dict, k: int = 3):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(target).vocab_size
+    model_config = SimpleNamespace(tokenizer=target, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: vocab, max_model_len=512)
+    return SimpleNamespace(
+        additional_config={"usd": usd}, model_config=model_config,
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+    )
+
+
+def test_proposer_startup_errors(tmp_path):
+    from vllm_usd import UniversalProposer
+    from vllm_usd.fixtures import tiny
+
+    target, drafter = tiny.tiny_pair("bpe", "sp")
+    proposer = UniversalProposer(_vllm_config(target, {"drafter": drafter}))
+    assert proposer.mapping.size > 0 and proposer.mapping.target_vocab_size == 1088
+
+    with pytest.raises(ValueError, match="drafter folder not found"):
+        UniversalProposer(_vllm_config(target, {"drafter": str(tmp_path / "nope" / "model")}))
+    with pytest.raises(ValueError, match="at least 99%"):
+        UniversalProposer(_vllm_config(target, {"drafter": drafter, "min_intersection": 0.99}))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        UniversalProposer(_vllm_config(target, {"drafter": drafter}, k=0))
+    no_tok = tmp_path / "no-tokenizer"
+    no_tok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (no_tok / f).write_bytes((__import__("pathlib").Path(drafter) / f).read_bytes())
+    with pytest.raises(ValueError, match="no readable tokenizer"):
+        UniversalProposer(_vllm_config(target, {"drafter": str(no_tok)}))
+    not_lm = tmp_path / "not-lm"
+    not_lm.mkdir()
+    (not_lm / "config.json").write_text('{"model_type": "vit", "hidden_size": 8, "num_hidden_layers": 1, '
+                                        '"num_attention_heads": 1, "intermediate_size": 8}')
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (not_lm / f).write_bytes((__import__("pathlib").Path(drafter) / f).read_bytes())
+    with pytest.raises(ValueError, match="not a causal language model"):
+        UniversalProposer(_vllm_config(target, {"drafter": str(not_lm)}))

@@ -1,0 +1,157 @@
+"""USD inside vLLM on the distribution pair (drafter agrees with the target often).
+
+Greedy equality with real acceptance, the sampling-distribution test with its
+planted-bug variants, mixed batches and seeded reproducibility.
+
+Statistical test: N = 20,000 completions of 2 tokens from one prompt with and
+without USD, joint distribution of the two tokens, chi-square test of
+homogeneity (rare cells pooled). Pass at p >= 1e-3 (false-alarm rate 0.1% per
+setting); each planted bug must give p < 1e-6.
+
+The prompt starts without a space, where the two tokenizers split words
+differently and the drafter disagrees with the target more often: rejections
+are where a wrong q shows. Handing *no* q for a sampled draft is not a bug:
+vLLM then treats the draft as a point mass, which is lossless for any draft
+that does not depend on the target's randomness; it only lowers acceptance
+(checked below).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engines import engine, spec_counts, token_ids
+from tests.prompts import LOWERCASE
+from tests.stats import homogeneity_pvalue
+
+pytestmark = pytest.mark.engine
+
+N_SAMPLES = 20_000
+PROMPT = "it was"
+SETTINGS = {"t1": dict(temperature=1.0), "t07p09": dict(temperature=0.7, top_p=0.9)}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from vllm_usd.fixtures import tiny
+
+    return tiny.build_distribution_pair()
+
+
+def _greedy(llm, max_tokens: int = 64):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return token_ids(llm.generate(LOWERCASE, sp, use_tqdm=False))
+
+
+def _samples(llm, setting: str, n: int = N_SAMPLES) -> list[tuple[int, ...]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=2, **SETTINGS[setting])
+    return [tuple(ids) for ids in token_ids(llm.generate([PROMPT] * n, sp, use_tqdm=False))]
+
+
+def _mixed(llm):
+    from vllm import SamplingParams
+
+    params = []
+    for i, _ in enumerate(LOWERCASE):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=0.9, top_k=20, max_tokens=48, seed=1000 + i, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, ignore_eos=True))
+    return token_ids(llm.generate(LOWERCASE, params, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def baseline(pair):
+    target, _ = pair
+    with engine(target, max_num_seqs=256) as llm:
+        return {"greedy": _greedy(llm), "mixed": _mixed(llm),
+                **{s: _samples(llm, s) for s in SETTINGS}}
+
+
+@pytest.fixture(scope="module")
+def usd_k3(pair):
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256) as llm:
+        greedy = _greedy(llm)
+        after_greedy = spec_counts(llm)
+        out = {"greedy": greedy, "greedy_counts": after_greedy, "mixed": _mixed(llm), "mixed_again": _mixed(llm)}
+        before = spec_counts(llm)
+        out["t1"] = _samples(llm, "t1")
+        out["t1_counts"] = _delta(spec_counts(llm), before)
+        out["t07p09"] = _samples(llm, "t07p09")
+        return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+    d["acceptance_length"] = 1 + d["accepted"] / d["drafts"] if d["drafts"] else 1.0
+    return d
+
+
+def test_greedy_equal_k3_with_acceptance(baseline, usd_k3):
+    assert usd_k3["greedy"] == baseline["greedy"]
+    counts = usd_k3["greedy_counts"]
+    assert counts["drafts"] > 0 and counts["accepted"] > 0
+    # the drafter is the target's own network on another tokenizer: most drafts pass
+    assert counts["acceptance_length"] > 2.0, counts
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_greedy_equal_other_k(pair, baseline, k):
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=k) as llm:
+        assert _greedy(llm) == baseline["greedy"]
+        assert spec_counts(llm)["accepted"] > 0
+
+
+def test_greedy_equal_reversed_pair(pair):
+    """SentencePiece-style target, byte-level BPE drafter."""
+    drafter, target = pair
+    with engine(target) as llm:
+        ref = _greedy(llm)
+    with engine(target, drafter=drafter, k=3) as llm:
+        assert _greedy(llm) == ref
+        assert spec_counts(llm)["accepted"] > 0
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampling_distribution_unchanged(baseline, usd_k3, setting):
+    p = homogeneity_pvalue(baseline[setting], usd_k3[setting])
+    assert p >= 1e-3, f"USD changed the output distribution ({setting}): p = {p:.2e}"
+    assert usd_k3["t1_counts"]["accepted"] > 0
+
+
+def test_mixed_batch(baseline, usd_k3):
+    greedy_rows = range(0, len(LOWERCASE), 3)
+    seeded_rows = range(1, len(LOWERCASE), 3)
+    for i in greedy_rows:
+        assert usd_k3["mixed"][i] == baseline["mixed"][i]
+    for i in seeded_rows:
+        assert usd_k3["mixed"][i] == usd_k3["mixed_again"][i], "seeded request did not reproduce"
+
+
+@pytest.mark.parametrize("fault,setting", [("scramble_q", "t1"), ("no_cpu_fix", "t07p09")])
+def test_planted_bug_is_caught(pair, baseline, fault, setting):
+    """The same test must reject USD with q on the wrong ids, or without the CPU sampler fix."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, env={"VLLM_USD_TEST_FAULT": fault}) as llm:
+        samples = _samples(llm, setting)
+    p = homogeneity_pvalue(baseline[setting], samples)
+    assert p < 1e-6, f"planted bug {fault} not detected: p = {p:.2e}"
+
+
+def test_no_q_is_lossless_but_accepts_less(pair, baseline, usd_k3):
+    """Sampled drafts without q: point masses to vLLM. Same distribution, lower acceptance."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, env={"VLLM_USD_TEST_FAULT": "omit_q"}) as llm:
+        samples = _samples(llm, "t1")
+        counts = spec_counts(llm)
+    p = homogeneity_pvalue(baseline["t1"], samples)
+    assert p >= 1e-3, f"p = {p:.2e}"
+    assert counts["acceptance_length"] < usd_k3["t1_counts"]["acceptance_length"], (counts, usd_k3["t1_counts"])

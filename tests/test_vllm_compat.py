@@ -1,0 +1,115 @@
+"""_vllm_compat: the version guard, the CPU sampler fix, the runner hook, register()."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from vllm_usd import _vllm_compat as compat
+
+
+def test_version_guard():
+    assert compat.is_supported("0.32.0") and compat.is_supported("0.32.0+cpu")
+    assert not compat.is_supported("0.31.1") and not compat.is_supported("0.32.1")
+    assert compat.is_supported(), "the installed vLLM is the one vllm-usd supports"
+
+
+def test_unsupported_version_is_a_clear_refusal(monkeypatch):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.40.0")
+    with pytest.raises(compat.UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0.*found 0\.40\.0"):
+        compat.require_supported()
+
+
+def test_register_never_raises_and_is_reentrant(monkeypatch):
+    from vllm_usd import plugin
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.1.0")
+    plugin.register()  # unsupported: warns, does nothing
+    plugin.register()
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(compat, "install_runner_hook", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.32.0")
+    plugin.register()  # a failing patch is logged, not raised
+
+
+def test_entry_point_is_declared():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.name == "vllm_usd" and ep.value == "vllm_usd.plugin:register" for ep in eps)
+
+
+def _registered_cpu_kernels():
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the expand bug is specific to vLLM's CPU kernels")
+    current_platform.register_triton_kernel_overrides()  # what vLLM's CPU worker does
+
+
+def test_cpu_expand_bug_exists_and_the_fix_repairs_it():
+    _registered_cpu_kernels()
+    from vllm.v1.sample import rejection_sampler as rs
+
+    assert compat.cpu_expand_is_broken(), "vLLM's CPU expand now works: the fix can be retired"
+    x = torch.tensor([0.25, 0.5, 0.75])
+    cu = torch.tensor([2, 3, 5], dtype=torch.int32)
+    original = rs.expand_batch_to_tokens
+    try:
+        assert compat.install_cpu_expand_fix()
+        assert compat.install_cpu_expand_fix()  # idempotent
+        assert torch.equal(rs.expand_batch_to_tokens(x, cu, 5), torch.tensor([0.25, 0.25, 0.5, 0.75, 0.75]))
+        ints = torch.tensor([3, -1, 7])
+        assert rs.expand_batch_to_tokens(ints, cu, 5, replace_from=-1, replace_to=9).tolist() == [3, 3, 9, 7, 7]
+        k = torch.tensor([5, 0, 2], dtype=torch.int32)
+        assert rs.expand_batch_to_tokens(k, cu, 5).tolist() == [5, 5, 0, 2, 2]
+    finally:
+        rs.expand_batch_to_tokens = original
+        compat._applied.discard("cpu_expand_fix")
+
+
+def test_runner_hook_hands_q_to_the_runner():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    compat.install_runner_hook()
+    compat.install_runner_hook()
+    wrapped = GPUModelRunner.propose_draft_token_ids
+    assert hasattr(wrapped, "__vllm_usd_wrapped__")
+
+    class FakeProposer:
+        is_vllm_usd_proposer = True
+        bound = None
+
+        def bind_step(self, runner, scheduler_output):
+            self.bound = (runner, scheduler_output)
+
+        def take_last_draft_probs(self):
+            return torch.ones(2, 3, 4)
+
+    class FakeBatch:
+        req_ids = ["a", "b"]
+
+    class FakeRunner:
+        drafter = FakeProposer()
+        input_batch = FakeBatch()
+
+    runner = FakeRunner()
+    calls = []
+    original = wrapped.__vllm_usd_wrapped__
+    try:
+        wrapped.__vllm_usd_wrapped__ = None
+        hook = compat._wrap_propose(lambda self, so, *a, **k: calls.append(so) or [[1], [2]])
+        out = hook(runner, "sched")
+    finally:
+        wrapped.__vllm_usd_wrapped__ = original
+    assert out == [[1], [2]] and calls == ["sched"]
+    assert runner.drafter.bound == (runner, "sched")
+    assert runner._draft_probs.shape == (2, 3, 4) and runner._draft_prob_req_ids == ["a", "b"]
+
+    class OtherRunner:
+        drafter = object()
+
+    other = OtherRunner()
+    hook(other, "s")
+    assert not hasattr(other, "_draft_probs"), "other proposers must be left alone"

@@ -1,0 +1,187 @@
+"""``vllm-usd``: analyze a target/drafter pair, or serve it with vLLM's OpenAI server.
+
+    vllm-usd analyze TARGET DRAFTER [--text FILE] [--json]
+    vllm-usd serve TARGET --drafter DRAFTER [-k K] [--usd KEY=VALUE ...] [vLLM server flags ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Any, Sequence
+
+from vllm_usd.config import PROPOSER_CLASS, parse_usd_config, speculative_args
+
+SAMPLE_TEXT = """\
+The quick brown fox jumps over the lazy dog. Speculative decoding lets a small model
+propose tokens that a large model checks in one step.
+def mean(xs):
+\treturn sum(xs) / len(xs)  # average
+Les élèves étudient à l'école. Die Straße ist naß. 東京は日本の首都です。 😀
+{"key": [1, 2, 3], "ok": true}
+"""
+
+
+# -- analyze ------------------------------------------------------------------------------
+def analyze_pair(target: str, drafter: str, text: str, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Vocabulary statistics for a pair; the numbers ``vllm-usd analyze`` prints."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vllm_usd.vocab import VocabMapping
+
+    t_tok = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    d_tok = AutoTokenizer.from_pretrained(drafter, trust_remote_code=trust_remote_code)
+    configs = {}
+    for name, path in (("target", target), ("drafter", drafter)):
+        try:
+            configs[name] = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            configs[name] = None
+    t_size = getattr(configs["target"], "vocab_size", None)
+    d_size = getattr(configs["drafter"], "vocab_size", None)
+    m = VocabMapping.build(t_tok, d_tok, target_vocab_size=t_size, draft_vocab_size=d_size, min_share=0.0)
+    ids = t_tok(text, add_special_tokens=False).input_ids
+    shared = sum(1 for i in ids if m.target_to_draft[i] >= 0)
+
+    def params(cfg) -> int | None:
+        if cfg is None:
+            return None
+        try:
+            from accelerate import init_empty_weights  # type: ignore[import-not-found]
+        except ImportError:
+            return _estimate_params(cfg)
+        from transformers import AutoModelForCausalLM
+
+        with init_empty_weights():
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+
+    t_params, d_params = params(configs["target"]), params(configs["drafter"])
+    return {
+        "target": {"path": target, "vocab_size": m.target_vocab_size, "tokenizer_size": len(t_tok), "params": t_params},
+        "drafter": {"path": drafter, "vocab_size": m.draft_vocab_size, "tokenizer_size": len(d_tok), "params": d_params},
+        "intersection": m.size,
+        "intersection_share_of_target": m.size / m.target_vocab_size,
+        "intersection_share_of_drafter": m.size / m.draft_vocab_size,
+        "byte_only_matches": m.byte_only_matches,
+        "text_tokens": len(ids),
+        "text_tokens_shared": shared,
+        "text_share_shared": shared / len(ids) if ids else None,
+        "text_share_retokenized": (len(ids) - shared) / len(ids) if ids else None,
+        "param_ratio": d_params / t_params if d_params and t_params else None,
+    }
+
+
+def _estimate_params(cfg) -> int | None:
+    """Rough decoder-only parameter count from the config (no weights loaded)."""
+    try:
+        h, n, v = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+        inter = getattr(cfg, "intermediate_size", 4 * h)
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or h // heads
+        kv = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+        per_layer = h * heads * head_dim * 2 + 2 * h * kv + 3 * h * inter
+        tied = getattr(cfg, "tie_word_embeddings", True)
+        return n * per_layer + v * h * (1 if tied else 2)
+    except AttributeError:
+        return None
+
+
+def _print_analysis(report: dict[str, Any]) -> None:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    rows = [
+        ("target vocab (logits / tokenizer)", f"{report['target']['vocab_size']} / {report['target']['tokenizer_size']}"),
+        ("drafter vocab (logits / tokenizer)", f"{report['drafter']['vocab_size']} / {report['drafter']['tokenizer_size']}"),
+        ("shared tokens", str(report["intersection"])),
+        ("  % of target vocab", pct(report["intersection_share_of_target"])),
+        ("  % of drafter vocab", pct(report["intersection_share_of_drafter"])),
+        ("  matched by bytes only (Ċ ~ <0x0A> ...)", str(report["byte_only_matches"])),
+        ("sample text: target tokens", str(report["text_tokens"])),
+        ("  in the intersection", pct(report["text_share_shared"])),
+        ("  re-tokenized for the drafter", pct(report["text_share_retokenized"])),
+        ("drafter / target parameters", "n/a" if report["param_ratio"] is None else f"{report['param_ratio']:.3f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"target : {report['target']['path']}\ndrafter: {report['drafter']['path']}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+# -- serve ---------------------------------------------------------------------------------
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def serve_command(target: str, drafter: str, k: int, usd: dict[str, Any], passthrough: Sequence[str],
+                  python: str | None = None) -> list[str]:
+    """The plain vLLM command line (OpenAI API server) that serves ``target`` with vllm-usd."""
+    args = speculative_args(drafter=drafter, k=k, **usd)
+    return [
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+        "--speculative-config", json.dumps(args["speculative_config"]),
+        "--additional-config", json.dumps(args["additional_config"]),
+        *passthrough,
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-usd", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_an = sub.add_parser("analyze", help="vocabulary overlap of a target/drafter pair")
+    p_an.add_argument("target")
+    p_an.add_argument("drafter")
+    p_an.add_argument("--text", help="a text file to measure running-text coverage on")
+    p_an.add_argument("--json", action="store_true", help="print JSON")
+    p_an.add_argument("--trust-remote-code", action="store_true")
+
+    p_sv = sub.add_parser("serve", help="start vLLM's OpenAI API server with vllm-usd on",
+                          description="Unknown flags are passed to vLLM's server unchanged.")
+    p_sv.add_argument("target")
+    p_sv.add_argument("--drafter", required=True)
+    p_sv.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    p_sv.add_argument("--usd", action="append", default=[], metavar="KEY=VALUE",
+                      help=f"a setting under additional_config.usd (repeatable); see {PROPOSER_CLASS}")
+    p_sv.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "analyze":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        text = open(args.text, encoding="utf-8").read() if args.text else SAMPLE_TEXT
+        report = analyze_pair(args.target, args.drafter, text, args.trust_remote_code)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_analysis(report)
+        return 0
+
+    usd: dict[str, Any] = {}
+    for item in args.usd:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--usd takes KEY=VALUE, got {item!r}")
+        usd[key] = _parse_value(value)
+    try:
+        parse_usd_config({"usd": {"drafter": args.drafter, **usd}})
+        cmd = serve_command(args.target, args.drafter, args.num_speculative_tokens, usd, rest)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print("[vllm-usd] equivalent plain vLLM command:\n  " + shlex.join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    os.execv(cmd[0], cmd)
+    return 0  # unreachable
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
