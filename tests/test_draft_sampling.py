@@ -117,3 +117,24 @@ def test_scatter_keeps_q_on_the_right_target_ids():
     q = torch.tensor([[0.2, 0.3, 0.5]])  # draft ids [0 a, 1 b, 3 c]
     qt = m.scatter_to_target(q)[0]
     assert qt.tolist() == pytest.approx([0.5, 0.2, 0.3, 0.0])
+
+
+def test_draft_probs_buffer_rows_follow_the_batch_and_stay_zero_elsewhere():
+    from vllm_usd.vocab import DraftProbsBuffer
+
+    target_ids = torch.tensor([5, 1, 7])  # intersection, in draft_ids order
+    buf = DraftProbsBuffer(k=2, target_vocab_size=10, target_ids=target_ids)
+    q0 = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    q1 = torch.tensor([[0.1, 0.1, 0.8], [0.0, 0.0, 1.0]])
+    out = buf.fill(rows=[2, 0], qs=[q0, q1], num_rows=3)
+    assert out.shape == (3, 2, 10)
+    assert out[2, 0, [5, 1, 7]].tolist() == pytest.approx([0.2, 0.3, 0.5])
+    assert out[0, 1, [5, 1, 7]].tolist() == pytest.approx([0.0, 0.0, 1.0])
+    off = torch.ones(10, dtype=torch.bool)
+    off[target_ids] = False
+    assert out[..., off].abs().sum() == 0
+    # next step: rows move; the new q overwrites every intersection column of the rows drafted
+    again = buf.fill(rows=[1], qs=[torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.5, 0.0]])], num_rows=2)
+    assert again[1, 0].tolist() == [0, 1.0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert again[1, 1, [5, 1, 7]].tolist() == pytest.approx([0.5, 0.5, 0.0])
+    assert torch.allclose(again[1].sum(-1), torch.ones(2))

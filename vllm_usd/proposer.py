@@ -22,7 +22,14 @@ import torch
 from vllm_usd import _vllm_compat as compat
 from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.drafter import HFDrafterRuntime, load_drafter
-from vllm_usd.vocab import ContextTranslator, DraftSamplingParams, FragmentEncoder, VocabMapping, sample_drafts
+from vllm_usd.vocab import (
+    ContextTranslator,
+    DraftProbsBuffer,
+    DraftSamplingParams,
+    FragmentEncoder,
+    VocabMapping,
+    sample_drafts,
+)
 
 logger = logging.getLogger("vllm.usd")
 
@@ -102,7 +109,7 @@ class UniversalProposer:
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._runner = None
         self._scheduler_output = None
-        self._q_buffer: torch.Tensor | None = None  # [rows, k, V_target], zero off the intersection
+        self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self._target_ids)
         self._last_q: torch.Tensor | None = None
         self._warned: set[str] = set()
         # Test-only planted bugs, to show the statistical test catches them:
@@ -302,20 +309,6 @@ class UniversalProposer:
             if self._fault == "scramble_q":
                 qs = [q.roll(1, dims=-1) for q in qs]
             if not params.all_greedy and self._fault != "omit_q":
-                self._last_q = self._fill_q(rows, qs, len(sampled_token_ids))
+                self._last_q = self._q_buffer.fill(rows, qs, len(sampled_token_ids))
         self.counters["steps"] += 1
         self.counters["drafted_rows"] += len(rows)
-
-    def _fill_q(self, rows: list[int], qs: list[torch.Tensor], num_rows: int) -> torch.Tensor:
-        """Scatter q into a reused [num_rows, k, V_target] buffer; rows follow input_batch."""
-        buf = self._q_buffer
-        if buf is None or buf.shape[0] < num_rows:
-            cap = max(num_rows, 2 * (buf.shape[0] if buf is not None else 4))
-            buf = torch.zeros(cap, self.k, self.target_vocab_size, dtype=torch.float32)
-            self._q_buffer = buf
-        row_idx = torch.tensor(rows, dtype=torch.long).unsqueeze(-1)  # [B, 1]
-        cols = self._target_ids.unsqueeze(0)  # [1, n]
-        for j, q in enumerate(qs):
-            # entries off the intersection are never written, so they stay zero
-            buf[:, j].index_put_((row_idx, cols), q)
-        return buf[:num_rows]

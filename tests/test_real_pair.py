@@ -1,0 +1,209 @@
+"""The real pair: SmolLM2-135M-Instruct (byte-level BPE, 49k) and Gemma-3-270m (SentencePiece, 262k).
+
+Converted from PyPI GGUF packages on first use (a few minutes, then cached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.engines import engine, spec_counts, token_ids
+
+pytestmark = pytest.mark.real_pair
+
+PROMPTS = [
+    "The capital of France is", "Water boils at a temperature of", "The three primary colors are",
+    "Once upon a time, in a small village,", "def add(a, b):\n    return", "The largest planet in the solar system is",
+    "To bake bread, you need", "The meaning of the word 'ephemeral' is", "import numpy as np\n\nx = np.",
+    "In 1969, the first person to walk on the moon was", "A haiku about autumn:\n", "The French word for cat is",
+    "Photosynthesis converts", "The quick brown fox", "SELECT name FROM users WHERE", "Dear Sir or Madam,\n\nI am writing to",
+    "The speed of light is approximately", "Ingredients for pancakes:\n-", "for i in range(10):\n   ", "Tokyo is the capital of",
+    "Shakespeare wrote", "The human heart has four", "<html>\n<head>\n<title>", "Q: What is 12 times 12?\nA:",
+    "The Great Wall of China was built", "Machine learning is", "The recipe calls for two cups of", "café, naïve, façade:",
+    "東京は", "The Pythagorean theorem states that", "Rain is caused by", "My favorite book is",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(real_pair):
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(path) for name, path in real_pair.items()}
+
+
+# -- vocabulary core on real tokenizers (no engine) ---------------------------------------
+def test_overlap_counts(tokenizers):
+    from vllm_usd.vocab import VocabMapping
+
+    gemma, smol = tokenizers["gemma3"], tokenizers["smollm2"]
+    start = time.perf_counter()
+    m = VocabMapping.build(gemma, smol)
+    seconds = time.perf_counter() - start
+    print(f"\nGemma-3 target, SmolLM2 drafter: {m.size} shared of {m.target_vocab_size} / {m.draft_vocab_size}, "
+          f"{m.byte_only_matches} by bytes only; built in {seconds:.1f} s")
+    assert m.target_vocab_size == 262_144 and m.draft_vocab_size == 49_152
+    assert 0.85 * m.draft_vocab_size < m.size < m.draft_vocab_size
+    assert m.byte_only_matches > 10_000  # Ġ/▁ and Ċ/newline conventions differ everywhere
+    assert m.target_to_draft[gemma.convert_tokens_to_ids("▁the")] == smol.convert_tokens_to_ids("Ġthe")
+    newline_g = gemma("a\nb", add_special_tokens=False).input_ids[1]
+    assert m.target_to_draft[newline_g] == smol.convert_tokens_to_ids("Ċ")
+    assert m.target_to_draft[gemma.eos_token_id] == smol.eos_token_id
+    reverse = VocabMapping.build(smol, gemma)
+    assert reverse.size == m.size
+
+
+def _real_text_lines() -> list[str]:
+    """A few thousand lines of real prose and code: the fixture corpus plus Python stdlib modules."""
+    corpus = (Path(__file__).parent.parent / "vllm_usd" / "fixtures" / "corpus.txt").read_text(encoding="utf-8")
+    lines = corpus.splitlines(keepends=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "json/decoder.py", "difflib.py", "string.py", "csv.py"):
+        lines += (stdlib / name).read_text(encoding="utf-8").splitlines(keepends=True)
+    return lines
+
+
+@pytest.mark.parametrize("target,drafter", [("gemma3", "smollm2"), ("smollm2", "gemma3")])
+def test_translator_invariant_on_real_text(tokenizers, target, drafter):
+    from vllm_usd.vocab import ContextTranslator, FragmentEncoder, VocabMapping
+
+    t_tok, d_tok = tokenizers[target], tokenizers[drafter]
+    m = VocabMapping.build(t_tok, d_tok)
+    enc = FragmentEncoder(d_tok, m.draft_table)
+    bos = d_tok.bos_token_id if d_tok("a").input_ids[:1] == [d_tok.bos_token_id] else None
+    lines = _real_text_lines()
+    assert len(lines) > 2000
+    rng = random.Random(0)
+    unk = d_tok.unk_token_id
+    for start in range(0, len(lines), 40):  # documents of 40 lines
+        ids = t_tok("".join(lines[start:start + 40])).input_ids
+        tr = ContextTranslator(m, enc, bos)
+        cut = rng.randint(0, min(30, len(ids)))
+        tr.start(ids[:cut])
+        pos = cut
+        while pos < len(ids):
+            step = rng.randint(1, 6)
+            tr.feed(ids[pos:pos + step])
+            pos += step
+            want = m.target_table.bytes_of(ids[:pos])
+            assert m.draft_table.bytes_of(tr.draft_ids) + tr.pending_bytes == want
+        assert unk is None or unk not in tr.draft_ids
+
+
+# -- inside vLLM ------------------------------------------------------------------------------
+def _greedy(llm, n_tokens: int = 64):
+    from vllm import SamplingParams
+
+    return token_ids(llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
+                                  use_tqdm=False))
+
+
+REAL_ENGINE = dict(max_model_len=1024, max_num_seqs=32)
+
+
+@pytest.mark.engine
+def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
+    with engine(real_pair["gemma3"], **REAL_ENGINE) as llm:
+        ref = _greedy(llm)
+    with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, **REAL_ENGINE) as llm:
+        got = _greedy(llm)
+        counts = spec_counts(llm)
+    assert got == ref
+    print(f"\nGemma-3 <- SmolLM2, k=3: {counts}")
+    assert counts["accepted"] > 0 and counts["acceptance_length"] > 1.2
+
+
+@pytest.fixture(scope="module")
+def smollm_reference(real_pair):
+    with engine(real_pair["smollm2"], **REAL_ENGINE) as llm:
+        return _greedy(llm)
+
+
+@pytest.mark.engine
+def test_greedy_equal_smollm_target_gemma_drafter(real_pair, smollm_reference):
+    with engine(real_pair["smollm2"], drafter=real_pair["gemma3"], k=3, **REAL_ENGINE) as llm:
+        got = _greedy(llm)
+        counts = spec_counts(llm)
+    assert got == smollm_reference
+    print(f"\nSmolLM2 <- Gemma-3, k=3: {counts}")
+    assert counts["accepted"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.engine
+def test_server_completions_chat_stream_and_metrics(real_pair, smollm_reference, tmp_path):
+    """`vllm-usd serve` on 127.0.0.1: output equals offline greedy, /metrics shows accepted drafts."""
+    import requests
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    cmd = [sys.executable, "-m", "vllm_usd.cli", "serve", real_pair["smollm2"], "--drafter", real_pair["gemma3"],
+           "-k", "3", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--max-model-len", "1024", "--max-num-seqs", "8"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 400
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(2)
+        model = real_pair["smollm2"]
+        for i in (0, 5, 19):
+            body = {"model": model, "prompt": PROMPTS[i], "max_tokens": 64, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            r = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == smollm_reference[i], (choice["text"], i)
+            streamed = requests.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=120, stream=True)
+            text = ""
+            for line in streamed.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+            assert text == choice["text"]
+        chat = {"model": model, "messages": [{"role": "user", "content": "Name three colors."}],
+                "max_tokens": 32, "temperature": 0}
+        r = requests.post(f"{base}/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["message"]["content"]
+        streamed = requests.post(f"{base}/v1/chat/completions", json={**chat, "stream": True}, timeout=120, stream=True)
+        parts = []
+        for line in streamed.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                parts.append(delta.get("content") or "")
+        assert content and "".join(parts) == content
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+        assert accepted and sum(accepted) > 0, "no accepted drafts in /metrics"
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    assert server.returncode is not None
