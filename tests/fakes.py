@@ -1,0 +1,59 @@
+"""Stand-ins for the vLLM objects the proposer reads, to test it without an engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+
+def vllm_config(target: str, usd: dict, k: int = 3, max_num_seqs: int = 8):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(target).vocab_size
+    model_config = SimpleNamespace(tokenizer=target, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: vocab, max_model_len=512)
+    return SimpleNamespace(
+        additional_config={"usd": usd}, model_config=model_config,
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+    )
+
+
+def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+    return SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+class FakeRunner:
+    """input_batch.req_ids + requests[req_id].sampling_params, and the token history arrays."""
+
+    def __init__(self, max_len: int = 512):
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.history: dict[str, list[int]] = {}
+        self.max_len = max_len
+
+    def add(self, req_id: str, prompt: list[int], params=None) -> None:
+        self.requests[req_id] = SimpleNamespace(sampling_params=params or sampling())
+        self.history[req_id] = list(prompt)
+        self.input_batch.req_ids.append(req_id)
+
+    def remove(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.history.pop(req_id, None)
+        self.input_batch.req_ids.remove(req_id)
+
+    def step(self, proposer, new_tokens: dict[str, list[int]], finished=(), preempted=(), prefill=()):
+        """Append tokens, then call propose as vLLM's runner would. Returns the drafts by req_id."""
+        for req_id, toks in new_tokens.items():
+            self.history[req_id].extend(toks)
+        ids = self.input_batch.req_ids
+        n = len(ids)
+        num = np.array([len(self.history[r]) for r in ids], dtype=np.int32)
+        arr = np.zeros((max(n, 1), self.max_len), dtype=np.int32)
+        for i, r in enumerate(ids):
+            arr[i, : len(self.history[r])] = self.history[r]
+        sampled = [[] if r in prefill else (new_tokens.get(r) or self.history[r][-1:]) for r in ids]
+        proposer.bind_step(self, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(preempted)))
+        drafts = proposer.propose(sampled, num, arr)
+        return dict(zip(ids, drafts))

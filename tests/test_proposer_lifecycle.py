@@ -1,0 +1,149 @@
+"""UniversalProposer against a fake runner: batching, q hand-off, lifecycle, failures. No engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fakes import FakeRunner, sampling, vllm_config
+from vllm_usd import UniversalProposer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from vllm_usd.fixtures import tiny
+
+    return tiny.build_distribution_pair()
+
+
+def _proposer(pair, k=3, **usd):
+    target, drafter = pair
+    return UniversalProposer(vllm_config(target, {"drafter": drafter, **usd}, k=k))
+
+
+def _prompt(pair, text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(pair[0])(text).input_ids
+
+
+def test_greedy_batch_drafts_k_shared_tokens_and_no_q(pair):
+    p = _proposer(pair)
+    runner = FakeRunner()
+    runner.add("a", _prompt(pair, " the keeper of the"))
+    runner.add("b", _prompt(pair, " a small house"))
+    drafts = runner.step(p, {})
+    shared = set(p.mapping.target_ids.tolist())
+    for d in drafts.values():
+        assert len(d) == 3 and set(d) <= shared
+    assert p.take_last_draft_probs() is None, "all-greedy batches hand no q"
+    assert p.num_request_states == 2 and p.runtime.num_requests == 2
+
+
+def test_sampled_rows_get_q_aligned_with_the_batch(pair):
+    p = _proposer(pair)
+    runner = FakeRunner()
+    runner.add("g", _prompt(pair, " the keeper"), sampling(0.0))
+    runner.add("s", _prompt(pair, " the keeper"), sampling(0.8, top_p=0.9))
+    runner.add("t", _prompt(pair, " it was"), sampling(1.2, top_k=5))
+    drafts = runner.step(p, {})
+    q = p.take_last_draft_probs()
+    assert q is not None and q.shape == (3, 3, p.target_vocab_size) and q.dtype == torch.float32
+    for row, req in enumerate(["g", "s", "t"]):
+        for j, tok in enumerate(drafts[req]):
+            assert abs(float(q[row, j].sum()) - 1) < 1e-4
+            assert q[row, j, tok] > 0, "q(draft) must be positive"
+    assert torch.equal(q[0, :, :].max(-1).values, torch.ones(3)), "greedy row in a mixed batch: one-hot q"
+    assert int((q[2, 0] > 0).sum()) <= 5, "top-k=5 leaves at most 5 tokens"
+    assert p.take_last_draft_probs() is None, "q is handed over once"
+
+
+def test_accepted_drafts_reuse_the_drafter_kv(pair):
+    p = _proposer(pair)
+    runner = FakeRunner()
+    runner.add("a", _prompt(pair, " the keeper of the light"))
+    drafts = runner.step(p, {})
+    committed = len(p._states["a"].translator.draft_ids)
+    calls = []
+    real = p.runtime.forward
+    p.runtime.forward = lambda ids, keep, new: calls.append((list(keep), [list(t) for t in new])) or real(ids, keep, new)
+    bonus = next(t for t in p.mapping.target_ids.tolist() if t != drafts["a"][2])
+    runner.step(p, {"a": drafts["a"][:2] + [bonus]})  # two drafts accepted, then the bonus token
+    keep, new = calls[0]
+    # KV of the two accepted drafts is kept; only the bonus token is run
+    assert keep == [committed + 2] and new == [[int(p.mapping.target_to_draft[bonus])]]
+
+
+def test_finished_and_preempted_requests_are_freed_and_rebuilt(pair):
+    p = _proposer(pair)
+    runner = FakeRunner()
+    for r, text in (("a", " the keeper"), ("b", " a small"), ("c", " it was")):
+        runner.add(r, _prompt(pair, text))
+    first = runner.step(p, {})
+    assert p.num_request_states == 3
+    runner.remove("a")
+    runner.step(p, {"b": first["b"][:1], "c": first["c"][:1]}, finished={"a"})
+    assert p.num_request_states == 2 and not p.runtime.has("a")
+    # "b" is preempted (leaves the batch), then resumes from its full history
+    runner.input_batch.req_ids.remove("b")
+    runner.step(p, {"c": [first["c"][1]]}, preempted={"b"})
+    assert p.num_request_states == 1 and not p.runtime.has("b")
+    runner.input_batch.req_ids.append("b")
+    resumed = runner.step(p, {"c": [first["c"][2]]})
+    fresh = _proposer(pair)
+    solo = FakeRunner()
+    solo.add("b", runner.history["b"])
+    assert resumed["b"] == solo.step(fresh, {})["b"], "a resumed request drafts as if new"
+    assert p.num_request_states == 2
+
+
+def test_prefill_rows_and_drafter_context_limit(pair):
+    p = _proposer(pair, drafter_max_model_len=24)
+    runner = FakeRunner()
+    runner.add("short", _prompt(pair, " the"))
+    runner.add("long", _prompt(pair, " the keeper of the light walked down to the shore and the boat"))
+    runner.add("chunk", _prompt(pair, " a"))
+    drafts = runner.step(p, {}, prefill={"chunk"})
+    assert drafts["short"] and drafts["long"] == [] and drafts["chunk"] == []
+    assert not p.runtime.has("long") and p.counters["skipped_context_full"] == 1
+
+
+def test_kv_budget_skips_requests_instead_of_failing(pair):
+    p = _proposer(pair, drafter_max_num_seqs=2)
+    runner = FakeRunner()
+    for r in "abc":
+        runner.add(r, _prompt(pair, " the keeper"))
+    drafts = runner.step(p, {})
+    assert sum(1 for d in drafts.values() if d) == 2 and p.counters["skipped_no_memory"] >= 1
+    runner.remove("a")
+    drafts = runner.step(p, {"b": drafts["b"][:1]}, finished={"a"})
+    assert all(drafts[r] for r in "bc"), "a freed slot goes to the waiting request"
+
+
+def test_a_failing_step_returns_no_drafts_and_recovers(pair, monkeypatch):
+    p = _proposer(pair)
+    runner = FakeRunner()
+    runner.add("a", _prompt(pair, " the keeper"))
+    runner.add("b", _prompt(pair, " it was"), sampling(0.9))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("drafter exploded")
+
+    monkeypatch.setattr(p.runtime, "forward", boom)
+    drafts = runner.step(p, {})
+    assert drafts == {"a": [], "b": []} and p.take_last_draft_probs() is None
+    assert p.counters["failed_steps"] == 1 and p.num_request_states == 0
+    monkeypatch.undo()
+    drafts = runner.step(p, {"a": [5], "b": [6]})
+    assert drafts["a"] and drafts["b"]
+
+
+def test_seeded_requests_draft_reproducibly(pair):
+    out = []
+    for _ in range(2):
+        p = _proposer(pair)
+        runner = FakeRunner()
+        runner.add("x", _prompt(pair, " the keeper"), sampling(1.0, seed=42))
+        runner.add("y", _prompt(pair, " it was"), sampling(1.0))
+        out.append(runner.step(p, {})["x"])
+    assert out[0] == out[1]
