@@ -106,6 +106,11 @@ def test_prefill_rows_and_drafter_context_limit(pair):
     drafts = runner.step(p, {}, prefill={"chunk"})
     assert drafts["short"] and drafts["long"] == [] and drafts["chunk"] == []
     assert not p.runtime.has("long") and p.counters["skipped_context_full"] == 1
+    drafts = runner.step(p, {"short": drafts["short"][:1], "long": [5]})
+    assert drafts["long"] == [] and p.counters["skipped_context_full"] == 1, "not re-translated every step"
+    runner.remove("long")
+    runner.step(p, {"short": [5]}, finished={"long"})
+    assert "long" not in p._undraftable
 
 
 def test_kv_budget_skips_requests_instead_of_failing(pair):

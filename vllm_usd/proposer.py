@@ -106,6 +106,7 @@ class UniversalProposer:
         self._target_ids_list: list[int] = self._target_ids.tolist()
         self._draft_ids_list: list[int] = self._draft_ids.tolist()
         self._states: dict[str, _RequestState] = {}
+        self._undraftable: set[str] = set()  # past the drafter's context
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._runner = None
         self._scheduler_output = None
@@ -160,14 +161,19 @@ class UniversalProposer:
         self._states.pop(req_id, None)
         self.runtime.free(req_id)
 
+    def _forget(self, req_id: str) -> None:
+        """vLLM no longer holds the request (finished, aborted or preempted)."""
+        self._free(req_id)
+        self._undraftable.discard(req_id)
+
     def _forget_gone_requests(self) -> None:
         runner = self._runner
         gone = compat.scheduler_gone_req_ids(self._scheduler_output) if self._scheduler_output is not None else set()
         for req_id in gone:
-            self._free(req_id)
-        if runner is not None and len(self._states) > len(runner.requests):
-            for req_id in [r for r in self._states if r not in runner.requests]:
-                self._free(req_id)
+            self._forget(req_id)
+        if runner is not None and len(self._states) + len(self._undraftable) > len(runner.requests):
+            for req_id in [r for r in (*self._states, *self._undraftable) if r not in runner.requests]:
+                self._forget(req_id)
 
     def _new_state(self, req_id: str) -> _RequestState | None:
         if not self.runtime.add(req_id):
@@ -241,6 +247,8 @@ class UniversalProposer:
                 if not sampled:
                     continue  # a prefill chunk in progress: no draft this step
                 req_id = req_ids[i]
+                if req_id in self._undraftable:
+                    continue
                 state = self._states.get(req_id) or self._new_state(req_id)
                 if state is None:
                     continue
@@ -255,14 +263,15 @@ class UniversalProposer:
                     state.translator.start(history)
                     unchanged = 0
                 else:
-                    rollback, _ = state.translator.feed(history)
-                    unchanged = len(state.translator.draft_ids) - len(_)
+                    _, appended = state.translator.feed(history)
+                    unchanged = len(state.translator.draft_ids) - len(appended)
                 state.committed = n
                 wanted = state.translator.draft_ids
                 if not wanted or len(wanted) + self.k > self.runtime.max_len:
-                    if wanted:
+                    if wanted:  # past the drafter's context: no drafts for the rest of it
                         self.counters["skipped_context_full"] += 1
                         self._free(req_id)
+                        self._undraftable.add(req_id)
                     continue
                 cached = self.runtime.cached_tokens(req_id)
                 same = min(unchanged, len(cached))
