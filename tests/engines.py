@@ -22,6 +22,8 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     import vllm_usd
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # lets llm.collective_rpc(vllm_usd.debug.proposer_stats) send a function to the worker
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     saved = {key: os.environ.get(key) for key in (env or {})}
     os.environ.update(env or {})
     args = {**ENGINE_DEFAULTS, **kwargs}
@@ -61,3 +63,11 @@ def spec_counts(llm: Any) -> dict[str, Any]:
 
 def token_ids(outputs: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def proposer_stats(llm: Any) -> dict[str, Any]:
+    """The vllm-usd proposer's counters and live state, from the (single) worker."""
+    from vllm_usd.debug import proposer_stats as read
+
+    (stats,) = llm.collective_rpc(read)
+    return stats

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines import engine, spec_counts, token_ids
+from tests.engines import engine, proposer_stats, spec_counts, token_ids
 from tests.prompts import LOWERCASE
 from tests.stats import homogeneity_pvalue
 
@@ -76,6 +76,8 @@ def baseline(pair):
 
 @pytest.fixture(scope="module")
 def usd_k3(pair):
+    from vllm import SamplingParams
+
     target, drafter = pair
     with engine(target, drafter=drafter, k=3, max_num_seqs=256) as llm:
         greedy = _greedy(llm)
@@ -85,6 +87,10 @@ def usd_k3(pair):
         out["t1"] = _samples(llm, "t1")
         out["t1_counts"] = _delta(spec_counts(llm), before)
         out["t07p09"] = _samples(llm, "t07p09")
+        out["stats_busy"] = proposer_stats(llm)
+        # a one-token request makes vLLM run a step, which reports the finished ones
+        llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
+        out["stats_idle"] = proposer_stats(llm)
         return out
 
 
@@ -125,6 +131,12 @@ def test_sampling_distribution_unchanged(baseline, usd_k3, setting):
     p = homogeneity_pvalue(baseline[setting], usd_k3[setting])
     assert p >= 1e-3, f"USD changed the output distribution ({setting}): p = {p:.2e}"
     assert usd_k3["t1_counts"]["accepted"] > 0
+
+
+def test_drafter_state_is_freed_with_the_requests(usd_k3):
+    busy, idle = usd_k3["stats_busy"], usd_k3["stats_idle"]
+    assert busy["counters"]["steps"] > 0 and busy["counters"].get("failed_steps", 0) == 0
+    assert idle["request_states"] == 0 and idle["drafter_requests"] == 0, idle
 
 
 def test_mixed_batch(baseline, usd_k3):

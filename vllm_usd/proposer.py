@@ -119,7 +119,8 @@ class UniversalProposer:
         self._fault = os.environ.get("VLLM_USD_TEST_FAULT", "")
         if self._fault:
             logger.warning("vllm-usd: TEST FAULT %r planted: output is NOT lossless", self._fault)
-        self.timings: dict[str, float] = defaultdict(float)
+        self.timings: dict[str, float] = defaultdict(float)  # seconds, with usd.profile
+        self._last_end: float | None = None
         self.counters: dict[str, int] = defaultdict(int)
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs: %d shared tokens (%.1f%% of the drafter's %d, "
@@ -144,6 +145,14 @@ class UniversalProposer:
     @property
     def num_request_states(self) -> int:
         return len(self._states)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, phase timings (with usd.profile) and live state, for benchmarks and tests."""
+        return {
+            "counters": dict(self.counters), "timings": dict(self.timings),
+            "request_states": len(self._states), "drafter_requests": self.runtime.num_requests,
+            "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
+        }
 
     @contextmanager
     def _timed(self, name: str):
@@ -210,9 +219,14 @@ class UniversalProposer:
         self._last_q = None
         num_rows = len(sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        started = time.perf_counter() if self.config.profile else 0.0
+        if self.config.profile and self._last_end is not None:
+            # the rest of the engine step: target forward, rejection sampling, scheduling
+            self.timings["outside_proposer"] += started - self._last_end
         try:
             self._forget_gone_requests()
             self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, drafts)
+            return drafts
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             key = type(exc).__name__
             if key not in self._warned:
@@ -225,7 +239,10 @@ class UniversalProposer:
                     self._free(req_id)
             self._last_q = None
             return [[] for _ in range(num_rows)]
-        return drafts
+        finally:
+            if self.config.profile:
+                self._last_end = time.perf_counter()
+                self.timings["propose_total"] += self._last_end - started
 
     def _req_ids(self, num_rows: int) -> list[str | None]:
         if self._runner is None:

@@ -1,0 +1,19 @@
+"""Read the proposer's state from outside the worker process.
+
+    llm.collective_rpc(vllm_usd.debug.proposer_stats)   # one dict per worker
+
+vLLM sends the function to each worker (set VLLM_ALLOW_INSECURE_SERIALIZATION=1
+where vLLM asks for it); it reads the runner's drafter if it is a vllm-usd one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def proposer_stats(worker: Any) -> dict[str, Any] | None:
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    if not getattr(drafter, "is_vllm_usd_proposer", False):
+        return None
+    return drafter.stats()
