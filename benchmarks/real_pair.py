@@ -51,6 +51,14 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
+def _proposer_timings(llm) -> dict[str, float]:
+    """Seconds spent in each proposer phase, and outside it, in the worker (usd.profile)."""
+    from vllm_usd.debug import proposer_stats
+
+    (stats,) = llm.collective_rpc(proposer_stats)
+    return dict(stats["timings"])
+
+
 def _measure(llm, params, repeats: int) -> dict:
     llm.generate(PROMPTS[:2], params, use_tqdm=False)  # warm-up
     runs, outputs = [], None
@@ -96,9 +104,17 @@ def main() -> None:
     engine_args = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=len(PROMPTS),
                        disable_log_stats=False, seed=0)
     results: dict = {}
-    for system, spec in (("target alone", {}), (f"vllm-usd k={args.k}", vllm_usd.speculative_args(drafter=drafter, k=args.k))):
+    profile: dict = {}
+    usd_args = vllm_usd.speculative_args(drafter=drafter, k=args.k, profile=True)
+    for system, spec in (("target alone", {}), (f"vllm-usd k={args.k}", usd_args)):
         llm = LLM(model=target, **engine_args, **spec)
-        results[system] = {name: _measure(llm, params, args.repeats) for name, params in settings.items()}
+        results[system] = {}
+        for name, params in settings.items():
+            before = _proposer_timings(llm) if spec else {}
+            results[system][name] = _measure(llm, params, args.repeats)
+            if spec:
+                after = _proposer_timings(llm)
+                profile[name] = {key: after[key] - before.get(key, 0.0) for key in after}
         llm.llm_engine.engine_core.shutdown()
         del llm
 
@@ -111,6 +127,7 @@ def main() -> None:
             "acceptance_length": usd[name]["acceptance_length"],
             "per_position_acceptance": usd[name]["per_position_acceptance"],
             "greedy_equal": (base[name]["token_ids"] == usd[name]["token_ids"]) if name == "greedy" else None,
+            "usd_time_split_s": profile.get(name),
         })
     record = {
         "command": " ".join([sys.executable, *sys.argv]),
@@ -133,9 +150,19 @@ def main() -> None:
         eq = "" if r["greedy_equal"] is None else ("yes" if r["greedy_equal"] else "NO")
         print(f"| {r['setting']} | {r['target_tok_s']:.1f} | {r['usd_tok_s']:.1f} | {r['speed_ratio']:.2f}x | "
               f"{r['acceptance_length']:.2f} | {eq} |")
+    for r in rows:
+        split = r["usd_time_split_s"] or {}
+        total = split.get("propose_total", 0.0) + split.get("outside_proposer", 0.0)
+        if total:
+            share = {key: f"{100 * split.get(key, 0.0) / total:.0f}%" for key in
+                     ("outside_proposer", "drafter_forward", "translate", "sample", "map_and_q")}
+            print(f"{r['setting']}: share of engine-step time: target step and vLLM (outside the proposer) "
+                  f"{share['outside_proposer']}, drafter forwards {share['drafter_forward']}, context translation "
+                  f"{share['translate']}, draft sampling {share['sample']}, id map + q {share['map_and_q']}")
     print(f"\nwritten to {out / (stem + '.json')}")
 
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(proposer_stats)
     main()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 import vllm_usd
+from tests.fakes import vllm_config as _vllm_config
 from vllm_usd.config import parse_usd_config
 
 
@@ -42,19 +41,6 @@ def test_bad_config_is_one_clear_line(additional, message):
 def test_bad_num_speculative_tokens(k):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         vllm_usd.speculative_args(drafter="d", k=k)
-
-
-def _vllm_config(target: str, usd: dict, k: int = 3):
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(target).vocab_size
-    model_config = SimpleNamespace(tokenizer=target, tokenizer_revision=None, trust_remote_code=False,
-                                   get_vocab_size=lambda: vocab, max_model_len=512)
-    return SimpleNamespace(
-        additional_config={"usd": usd}, model_config=model_config,
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        scheduler_config=SimpleNamespace(max_num_seqs=8),
-    )
 
 
 def test_proposer_startup_errors(tmp_path):
