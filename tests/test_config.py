@@ -71,3 +71,15 @@ def test_proposer_startup_errors(tmp_path):
         (not_lm / f).write_bytes((__import__("pathlib").Path(drafter) / f).read_bytes())
     with pytest.raises(ValueError, match="not a causal language model"):
         UniversalProposer(_vllm_config(target, {"drafter": str(not_lm)}))
+
+
+def test_custom_code_drafter_is_refused_without_trust_remote_code(tmp_path):
+    """vllm-usd never turns trust_remote_code on by itself."""
+    from vllm_usd.drafter.hf_runtime import DrafterLoadError, load_drafter
+
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "my_custom_lm", "auto_map": {"AutoConfig": "configuration_my.MyConfig", '
+        '"AutoModelForCausalLM": "modeling_my.MyModel"}}')
+    (tmp_path / "configuration_my.py").write_text("raise RuntimeError('custom code must not run')\n")
+    with pytest.raises(DrafterLoadError, match="trust_remote_code"):
+        load_drafter(str(tmp_path), trust_remote_code=False)

@@ -12,7 +12,6 @@ No vLLM import here.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -154,7 +153,6 @@ class TokenTable:
     special_ids: frozenset[int]
     fallback_ids: frozenset[int]  # byte-fallback pieces (<0xNN>) the decoder turned into raw bytes
     roles: dict[str, int]
-    content_hash: str
 
     @property
     def size(self) -> int:
@@ -175,6 +173,14 @@ def _backend(tokenizer):
     return backend
 
 
+def _component_spec(component) -> dict[str, Any] | None:
+    """The JSON of one tokenizer component (decoder, pre-tokenizer), without
+    serialising the whole tokenizer (12 MB for a 262k vocabulary)."""
+    if component is None:
+        return None
+    return json.loads(component.__getstate__())
+
+
 def tokenizer_name(tokenizer) -> str:
     return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
@@ -182,10 +188,10 @@ def tokenizer_name(tokenizer) -> str:
 def build_token_table(tokenizer, vocab_size: int | None = None) -> TokenTable:
     """Replay ``tokenizer``'s decoder on every id, ``vocab_size`` ids in all."""
     backend = _backend(tokenizer)
-    spec = json.loads(backend.to_str())
-    steps = _flatten(spec.get("decoder"))
+    steps = _flatten(_component_spec(backend.decoder))
     if not steps:  # no decoder: fall back to the pre-tokenizer's convention
-        steps = [s for s in _flatten(spec.get("pre_tokenizer")) if s.get("type") in ("ByteLevel", "Metaspace")]
+        steps = [s for s in _flatten(_component_spec(backend.pre_tokenizer))
+                 if s.get("type") in ("ByteLevel", "Metaspace")]
     n_tok = backend.get_vocab_size(with_added_tokens=True)
     n = n_tok if vocab_size is None else vocab_size
 
@@ -218,14 +224,10 @@ def build_token_table(tokenizer, vocab_size: int | None = None) -> TokenTable:
             fused = fused or step.get("type") == "Fuse"
         out.append(b"".join(p.encode("utf-8") if isinstance(p, str) else p for p in pieces))
 
-    digest = hashlib.sha256(backend.to_str().encode("utf-8"))
-    digest.update(json.dumps(roles, sort_keys=True).encode())
-    digest.update(str(n).encode())
     return TokenTable(
         name=tokenizer_name(tokenizer),
         token_bytes=tuple(out),
         special_ids=frozenset(i for i in special if i < n),
         fallback_ids=frozenset(fallback),
         roles=roles,
-        content_hash=digest.hexdigest(),
     )
