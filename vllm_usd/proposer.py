@@ -257,8 +257,8 @@ class UniversalProposer:
         req_ids = compat.runner_req_ids(self._runner)
         rows: list[int] = []
         row_req: list[str] = []
-        keep: list[int] = []
-        new_tokens: list[list[int]] = []
+        wanted: list[list[int]] = []
+        unchanged: list[int] = []
         with self._timed("translate"):
             for i, sampled in enumerate(sampled_token_ids):
                 if not sampled:
@@ -278,28 +278,22 @@ class UniversalProposer:
                 history = token_ids_cpu[i, state.committed:n].tolist()
                 if state.committed == 0:
                     state.translator.start(history)
-                    unchanged = 0
+                    known = 0
                 else:
                     _, appended = state.translator.feed(history)
-                    unchanged = len(state.translator.draft_ids) - len(appended)
+                    known = len(state.translator.draft_ids) - len(appended)
                 state.committed = n
-                wanted = state.translator.draft_ids
-                if not wanted or len(wanted) + self.k > self.runtime.max_len:
-                    if wanted:  # past the drafter's context: no drafts for the rest of it
+                seq = state.translator.draft_ids
+                if not seq or len(seq) + self.k > self.runtime.max_len:
+                    if seq:  # past the drafter's context: no drafts for the rest of it
                         self.counters["skipped_context_full"] += 1
                         self._free(req_id)
                         self._undraftable.add(req_id)
                     continue
-                cached = self.runtime.cached_tokens(req_id)
-                same = min(unchanged, len(cached))
-                limit = min(len(cached), len(wanted))
-                while same < limit and cached[same] == wanted[same]:
-                    same += 1
-                same = min(same, len(wanted) - 1)  # recompute at least the last token
                 rows.append(i)
                 row_req.append(req_id)
-                keep.append(same)
-                new_tokens.append(wanted[same:])
+                wanted.append(seq)  # read-only until the next step: no copy
+                unchanged.append(known)
         if not rows:
             return
 
@@ -312,9 +306,9 @@ class UniversalProposer:
         k = self.k
         index = torch.empty(len(rows), k, dtype=torch.long)
         qs: list[torch.Tensor] = []
-        lengths = [kp + len(t) for kp, t in zip(keep, new_tokens)]
+        lengths = [len(seq) for seq in wanted]
         with self._timed("drafter_forward"):
-            logits = self.runtime.forward(row_req, keep, new_tokens)
+            logits = self.runtime.catch_up(row_req, wanted, unchanged)
         for j in range(k):
             if not self.config.pruned_head:
                 logits = self.mapping.restrict(logits)

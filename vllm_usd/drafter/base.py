@@ -56,3 +56,27 @@ class DrafterRuntime(ABC):
         ``new_tokens[i]`` (non-empty), and return the logits after the last
         one. Returns [len(req_ids), num_outputs] float32.
         """
+
+    def catch_up(
+        self,
+        req_ids: Sequence[str],
+        wanted: Sequence[Sequence[int]],
+        unchanged: Sequence[int],
+    ) -> torch.Tensor:
+        """Bring each request's cache to the sequence ``wanted[i]`` and return the
+        logits after its last token. ``unchanged[i]`` tokens at the front are known
+        to match what is cached; the rest is compared, so accepted drafts keep their
+        KV and only what differs is run again (at least the last token).
+        """
+        keep: list[int] = []
+        new: list[list[int]] = []
+        for req_id, seq, known in zip(req_ids, wanted, unchanged):
+            cached = self.cached_tokens(req_id)
+            same = min(known, len(cached))
+            limit = min(len(cached), len(seq))
+            while same < limit and cached[same] == seq[same]:
+                same += 1
+            same = min(same, len(seq) - 1)
+            keep.append(same)
+            new.append(list(seq[same:]))
+        return self.forward(req_ids, keep, new)
