@@ -113,14 +113,35 @@ REAL_ENGINE = dict(max_model_len=1024, max_num_seqs=32)
 
 @pytest.mark.engine
 def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
+    from vllm import SamplingParams
+
     with engine(real_pair["gemma3"], **REAL_ENGINE) as llm:
         ref = _greedy(llm)
     with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, **REAL_ENGINE) as llm:
-        got = _greedy(llm)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         counts = spec_counts(llm)
+    got = token_ids(outs)
     assert got == ref
     print(f"\nGemma-3 <- SmolLM2, k=3: {counts}")
     assert counts["accepted"] > 0 and counts["acceptance_length"] > 1.2
+
+    # `vllm-usd analyze --models` estimates this offline: teacher-forced on the same texts,
+    # it must land within 25% of what the engine measured.
+    from transformers import AutoModelForCausalLM
+
+    from vllm_usd.acceptance import estimate_acceptance
+    from vllm_usd.drafter.hf_runtime import load_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(real_pair["gemma3"]).eval()
+    drafter, d_tok = load_drafter(real_pair["smollm2"])
+    from transformers import AutoTokenizer
+
+    sample = outs[:8]
+    est = estimate_acceptance(target, AutoTokenizer.from_pretrained(real_pair["gemma3"]), drafter, d_tok,
+                              [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in sample],
+                              [len(o.prompt_token_ids) for o in sample], ks=range(3, 4))
+    print(f"estimated acceptance length at k=3: {est.greedy_length[3]:.2f} (engine: {counts['acceptance_length']:.2f})")
+    assert abs(est.greedy_length[3] - counts["acceptance_length"]) <= 0.25 * counts["acceptance_length"]
 
 
 @pytest.fixture(scope="module")

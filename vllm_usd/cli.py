@@ -109,6 +109,38 @@ def _print_analysis(report: dict[str, Any]) -> None:
     print(f"target : {report['target']['path']}\ndrafter: {report['drafter']['path']}")
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    acc = report.get("acceptance")
+    if acc:
+        print(f"\nestimated acceptance length (teacher-forced on {acc['positions']} positions; "
+              f"greedy match {pct(acc['greedy_match_rate'])}, mean sum min(p,q) {acc['mean_alpha']:.2f})")
+        print("   k  greedy  sampled(T=1)")
+        for k, g in acc["greedy_acceptance_length"].items():
+            print(f"  {k:>2}  {g:6.2f}  {acc['sampled_acceptance_length'][k]:6.2f}")
+        print(f"recommended k at drafter/target cost ratio {acc['cost_ratio_used']:.3f}: "
+              f"{acc['recommended_k_greedy']} (greedy), {acc['recommended_k_sampled']} (sampled)")
+
+
+def estimate_for_text(target: str, drafter: str, text: str, cost_ratio: float | None,
+                      trust_remote_code: bool = False) -> dict[str, Any]:
+    """Teacher-forced acceptance estimate on ``text`` (see vllm_usd.acceptance)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_usd.acceptance import estimate_acceptance
+    from vllm_usd.drafter.hf_runtime import load_drafter
+
+    t_tok = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    t_model = AutoModelForCausalLM.from_pretrained(target, trust_remote_code=trust_remote_code).eval()
+    d_model, d_tok = load_drafter(drafter, trust_remote_code=trust_remote_code)
+    ids = t_tok(text).input_ids
+    chunks = [ids[i:i + 256] for i in range(0, len(ids), 256)]
+    est = estimate_acceptance(t_model, t_tok, d_model, d_tok, chunks)
+    ratio = cost_ratio if cost_ratio else 0.1
+    return {
+        "positions": est.positions, "greedy_match_rate": est.greedy_match_rate, "mean_alpha": est.mean_alpha,
+        "greedy_acceptance_length": est.greedy_length, "sampled_acceptance_length": est.sampled_length,
+        "cost_ratio_used": ratio, "recommended_k_greedy": est.recommend_k(ratio, greedy=True),
+        "recommended_k_sampled": est.recommend_k(ratio, greedy=False),
+    }
 
 
 # -- serve ---------------------------------------------------------------------------------
@@ -142,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_an.add_argument("--text", help="a text file to measure running-text coverage on")
     p_an.add_argument("--json", action="store_true", help="print JSON")
     p_an.add_argument("--trust-remote-code", action="store_true")
+    p_an.add_argument("--models", action="store_true",
+                      help="also load both models and estimate the acceptance length for k = 1..8")
 
     p_sv = sub.add_parser("serve", help="start vLLM's OpenAI API server with vllm-usd on",
                           description="Unknown flags are passed to vLLM's server unchanged.")
@@ -158,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         text = open(args.text, encoding="utf-8").read() if args.text else SAMPLE_TEXT
         report = analyze_pair(args.target, args.drafter, text, args.trust_remote_code)
+        if args.models:
+            report["acceptance"] = estimate_for_text(args.target, args.drafter, text, report["param_ratio"],
+                                                     args.trust_remote_code)
         if args.json:
             print(json.dumps(report, indent=2))
         else:
