@@ -20,8 +20,9 @@ def vllm_config(target: str, usd: dict, k: int = 3, max_num_seqs: int = 8):
     )
 
 
-def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-    return SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             max_tokens: int | None = 1000):
+    return SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
 
 
 class FakeRunner:
@@ -34,7 +35,7 @@ class FakeRunner:
         self.max_len = max_len
 
     def add(self, req_id: str, prompt: list[int], params=None) -> None:
-        self.requests[req_id] = SimpleNamespace(sampling_params=params or sampling())
+        self.requests[req_id] = SimpleNamespace(sampling_params=params or sampling(), num_prompt_tokens=len(prompt))
         self.history[req_id] = list(prompt)
         self.input_batch.req_ids.append(req_id)
 

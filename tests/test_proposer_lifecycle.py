@@ -152,3 +152,15 @@ def test_seeded_requests_draft_reproducibly(pair):
         runner.add("y", _prompt(pair, " it was"), sampling(1.0))
         out.append(runner.step(p, {})["x"])
     assert out[0] == out[1]
+
+
+def test_no_drafts_once_max_tokens_is_reached(pair):
+    p = _proposer(pair)
+    runner = FakeRunner()
+    runner.add("short", _prompt(pair, " the keeper"), sampling(0.0, max_tokens=2))
+    runner.add("long", _prompt(pair, " it was"), sampling(0.0, max_tokens=50))
+    drafts = runner.step(p, {"short": [5], "long": [6]})  # first output token
+    assert drafts["short"] and drafts["long"]
+    drafts = runner.step(p, {"short": [7], "long": [8]})  # "short" now has its 2 tokens: it ends
+    assert drafts["short"] == [] and drafts["long"]
+    assert not p.runtime.has("short") and p.num_request_states == 1

@@ -45,6 +45,7 @@ class _RequestState:
     top_k: int
     top_p: float
     generator: torch.Generator | None
+    last_token: int  # target tokens at which the request reaches max_tokens
 
 
 def _adds_bos(tokenizer) -> int | None:
@@ -188,10 +189,13 @@ class UniversalProposer:
         if not self.runtime.add(req_id):
             self.counters["skipped_no_memory"] += 1
             return None
-        params = None
+        params = request = None
         if self._runner is not None:
             request = compat.runner_request(self._runner, req_id)
             params = getattr(request, "sampling_params", None)
+        max_tokens = getattr(params, "max_tokens", None)
+        prompt_len = getattr(request, "num_prompt_tokens", None)
+        last_token = prompt_len + max_tokens if isinstance(max_tokens, int) and isinstance(prompt_len, int) else 1 << 62
         temperature = float(getattr(params, "temperature", 0.0) or 0.0)
         greedy = temperature < _SAMPLING_EPS or self.config.draft_sampling == "greedy"
         seed = getattr(params, "seed", None)
@@ -203,7 +207,7 @@ class UniversalProposer:
             translator=ContextTranslator(self.mapping, self._encoder, self._draft_bos),
             committed=0, greedy=greedy, temperature=temperature,
             top_k=top_k if top_k > 0 else 0, top_p=float(getattr(params, "top_p", 1.0) or 1.0),
-            generator=generator,
+            generator=generator, last_token=last_token,
         )
         self._states[req_id] = state
         return state
@@ -270,6 +274,9 @@ class UniversalProposer:
                 if state is None:
                     continue
                 n = int(num_tokens_no_spec[i])
+                if n >= state.last_token:  # max_tokens reached: the request ends with this step
+                    self._free(req_id)
+                    continue
                 if n < state.committed:  # history shrank: rebuild from scratch
                     self._free(req_id)
                     state = self._new_state(req_id)
