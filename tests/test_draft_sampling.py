@@ -138,3 +138,40 @@ def test_draft_probs_buffer_rows_follow_the_batch_and_stay_zero_elsewhere():
     assert again[1, 0].tolist() == [0, 1.0, 0, 0, 0, 0, 0, 0, 0, 0]
     assert again[1, 1, [5, 1, 7]].tolist() == pytest.approx([0.5, 0.5, 0.0])
     assert torch.allclose(again[1].sum(-1), torch.ones(2))
+
+
+def test_request_keys_are_stable_across_processes():
+    """Seeds derive from request ids with blake2b, not Python's per-process salted hash()."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_usd.vocab.sampling import mix_seed, text_key
+
+    code = "from vllm_usd.vocab.sampling import text_key, mix_seed; print(text_key('req-17'), mix_seed(3, 5))"
+    seen = set()
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        seen.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout.strip())
+    assert seen == {f"{text_key('req-17')} {mix_seed(3, 5)}"}
+    assert text_key("req-17") != text_key("req-18")
+    assert len({mix_seed(a, b) for a in range(20) for b in range(20)}) == 400
+    assert all(0 <= mix_seed(a, 1 << 70) < 1 << 63 for a in range(5))
+
+
+def test_position_generators_seed_by_row_key_and_position():
+    from vllm_usd.vocab.sampling import position_generators
+
+    def draws(keys, positions, seeded, salt=0):
+        rows, shared = position_generators(keys, positions, seeded, salt)
+        own = [None if g is None else torch.randint(1 << 30, (1,), generator=g).item() for g in rows]
+        return own, torch.randint(1 << 30, (1,), generator=shared).item()
+
+    own_a, shared_a = draws([11, 22], [5, 9], [True, False])
+    own_b, shared_b = draws([11, 33], [5, 9], [True, False])
+    assert own_a[0] == own_b[0], "a seeded row ignores the rest of the batch"
+    assert shared_a != shared_b, "the shared generator depends on the unseeded rows"
+    assert draws([11, 22], [5, 9], [True, False]) == (own_a, shared_a)
+    assert draws([11, 22], [6, 9], [True, False])[0][0] != own_a[0], "next position, new draw"
+    assert draws([11, 22], [5, 9], [True, False], salt=1)[1] != shared_a

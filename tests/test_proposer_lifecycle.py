@@ -164,3 +164,49 @@ def test_no_drafts_once_max_tokens_is_reached(pair):
     drafts = runner.step(p, {"short": [7], "long": [8]})  # "short" now has its 2 tokens: it ends
     assert drafts["short"] == [] and drafts["long"]
     assert not p.runtime.has("short") and p.num_request_states == 1
+
+
+def _two_ranks(pair, fault: str | None, monkeypatch) -> list[list[str]]:
+    """Two proposers fed the same steps, as two tensor-parallel ranks are. Returns their digests."""
+    if fault:
+        monkeypatch.setenv("VLLM_USD_TEST_FAULT", fault)
+    digests = []
+    for rank in (0, 1):
+        p = _proposer(pair, debug_digests=True)
+        p._rank = rank
+        runner = FakeRunner()
+        runner.add("greedy", _prompt(pair, " the keeper"), sampling(0.0))
+        runner.add("free", _prompt(pair, " it was"), sampling(1.0))
+        runner.add("seeded", _prompt(pair, " a small house"), sampling(0.8, top_p=0.9, seed=7))
+        drafts = runner.step(p, {})
+        for _ in range(3):  # accept the first draft of each row, then draft again
+            drafts = runner.step(p, {r: d[:1] for r, d in drafts.items()})
+        digests.append(p.digests)
+    return digests
+
+
+def test_ranks_draw_identical_drafts_and_q(pair, monkeypatch):
+    """No global or rank-local RNG: what a rank drafts depends only on what all ranks see."""
+    rank0, rank1 = _two_ranks(pair, None, monkeypatch)
+    assert len(rank0) == 4 and rank0 == rank1
+
+
+def test_digests_catch_rank_local_randomness(pair, monkeypatch):
+    """Planted bug: rank-dependent drafting randomness. The digests must differ."""
+    rank0, rank1 = _two_ranks(pair, "rank_rng", monkeypatch)
+    assert len(rank0) == 4 and rank0 != rank1
+
+
+def test_unseeded_drafts_do_not_depend_on_earlier_steps(pair):
+    """Drafting seeds come from (request, position), not from a generator's running state."""
+    out = []
+    for warmup in (False, True):
+        p = _proposer(pair)
+        runner = FakeRunner()
+        if warmup:  # another request drafted first: a stateful RNG would have moved on
+            runner.add("other", _prompt(pair, " the keeper"), sampling(1.0))
+            runner.step(p, {})
+            runner.remove("other")
+        runner.add("free", _prompt(pair, " it was"), sampling(1.0))
+        out.append(runner.step(p, {}, finished={"other"} if warmup else ())["free"])
+    assert out[0] == out[1]

@@ -29,6 +29,7 @@ class UsdConfig:
     seed:                  seed for drafting in requests without their own seed.
     pruned_head:           compute drafter logits only for shared tokens (same q, less work).
     profile:               time the proposer's phases (see UniversalProposer.timings).
+    debug_digests:         record a digest of each step's drafts and q (tensor-parallel checks).
     """
 
     drafter: str
@@ -43,6 +44,7 @@ class UsdConfig:
     seed: int = 0
     pruned_head: bool = True
     profile: bool = False
+    debug_digests: bool = False
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -58,6 +60,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "seed": (int,),
     "pruned_head": (bool,),
     "profile": (bool,),
+    "debug_digests": (bool,),
 }
 _CHOICES = {
     "drafter_dtype": ("float32", "bfloat16", "float16", "auto"),

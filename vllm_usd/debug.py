@@ -1,6 +1,7 @@
 """Read the proposer's state from outside the worker process.
 
     llm.collective_rpc(vllm_usd.debug.proposer_stats)   # one dict per worker
+    llm.collective_rpc(vllm_usd.debug.draft_digests)    # one list per worker
 
 vLLM sends the function to each worker (set VLLM_ALLOW_INSECURE_SERIALIZATION=1
 where vLLM asks for it); it reads the runner's drafter if it is a vllm-usd one.
@@ -17,3 +18,15 @@ def proposer_stats(worker: Any) -> dict[str, Any] | None:
     if not getattr(drafter, "is_vllm_usd_proposer", False):
         return None
     return drafter.stats()
+
+
+def draft_digests(worker: Any) -> list[str] | None:
+    """Per-step digests of the drafts and q on this worker (needs usd.debug_digests).
+
+    Under tensor parallelism every rank must return the same list.
+    """
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    if not getattr(drafter, "is_vllm_usd_proposer", False):
+        return None
+    return drafter.digests

@@ -8,6 +8,7 @@ probabilities just after.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -30,10 +31,19 @@ from vllm_usd.vocab import (
     VocabMapping,
     sample_drafts,
 )
+from vllm_usd.vocab.sampling import mix_seed, position_generators, text_key
 
 logger = logging.getLogger("vllm.usd")
 
 _SAMPLING_EPS = 1e-5  # vLLM treats temperature below this as greedy
+_MAX_DIGESTS = 1 << 17
+
+
+def _tp_rank() -> int:
+    """This worker's global rank, for logs and the planted ``rank_rng`` fault only."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 @dataclass
@@ -44,7 +54,8 @@ class _RequestState:
     temperature: float
     top_k: int
     top_p: float
-    generator: torch.Generator | None
+    key: int  # stable per request, the same on every rank: drafting seeds derive from it
+    seeded: bool  # the request has its own seed
     last_token: int  # target tokens at which the request reaches max_tokens
 
 
@@ -108,7 +119,8 @@ class UniversalProposer:
         self._draft_ids_list: list[int] = self._draft_ids.tolist()
         self._states: dict[str, _RequestState] = {}
         self._undraftable: set[str] = set()  # past the drafter's context
-        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._rank = _tp_rank()
+        self._digests: list[str] = []  # with usd.debug_digests: one per drafting step
         self._runner = None
         self._scheduler_output = None
         self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self._target_ids)
@@ -153,7 +165,23 @@ class UniversalProposer:
             "counters": dict(self.counters), "timings": dict(self.timings),
             "request_states": len(self._states), "drafter_requests": self.runtime.num_requests,
             "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
+            "drafter_param_bytes": self.runtime.param_bytes, "rank": self._rank,
         }
+
+    @property
+    def digests(self) -> list[str]:
+        """With usd.debug_digests: one SHA-256 per drafting step of (rows, requests, drafts, q)."""
+        return list(self._digests)
+
+    def _record_digest(self, rows: list[int], row_req: list[str], target: list[list[int]],
+                       qs: list[torch.Tensor], all_greedy: bool) -> None:
+        h = hashlib.sha256()
+        h.update(repr((rows, row_req, target)).encode())
+        if not all_greedy:
+            for q in qs:  # [B, n] in intersection order: the same bytes as the scattered q
+                h.update(q.contiguous().numpy().tobytes())
+        if len(self._digests) < _MAX_DIGESTS:
+            self._digests.append(h.hexdigest())
 
     @contextmanager
     def _timed(self, name: str):
@@ -199,15 +227,14 @@ class UniversalProposer:
         temperature = float(getattr(params, "temperature", 0.0) or 0.0)
         greedy = temperature < _SAMPLING_EPS or self.config.draft_sampling == "greedy"
         seed = getattr(params, "seed", None)
-        generator = None
-        if seed is not None and not greedy:
-            generator = torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + self.config.seed) % (1 << 63))
+        # Never a global or rank-local RNG: every rank must draw the same drafts and q.
+        key = mix_seed(int(seed), self.config.seed) if seed is not None else text_key(req_id)
         top_k = int(getattr(params, "top_k", 0) or 0)
         state = _RequestState(
             translator=ContextTranslator(self.mapping, self._encoder, self._draft_bos),
             committed=0, greedy=greedy, temperature=temperature,
             top_k=top_k if top_k > 0 else 0, top_p=float(getattr(params, "top_p", 1.0) or 1.0),
-            generator=generator, last_token=last_token,
+            key=key, seeded=seed is not None, last_token=last_token,
         )
         self._states[req_id] = state
         return state
@@ -308,8 +335,13 @@ class UniversalProposer:
         params = DraftSamplingParams.from_lists(
             temperature=[s.temperature for s in states], top_k=[s.top_k for s in states],
             top_p=[s.top_p for s in states], greedy=[s.greedy for s in states],
-            generators=[s.generator for s in states],
         )
+        keys = [s.key for s in states]
+        seeded = [s.seeded for s in states]
+        positions = [int(num_tokens_no_spec[i]) for i in rows]  # target position of the first draft
+        salt = self.config.seed
+        if self._fault == "rank_rng":  # planted: rank-local randomness, what TP must never have
+            salt += 1 + self._rank
         k = self.k
         index = torch.empty(len(rows), k, dtype=torch.long)
         qs: list[torch.Tensor] = []
@@ -320,7 +352,11 @@ class UniversalProposer:
             if not self.config.pruned_head:
                 logits = self.mapping.restrict(logits)
             with self._timed("sample"):
-                idx, q = sample_drafts(logits, params, self._generator)
+                shared = None
+                if not params.all_greedy:
+                    params.generators, shared = position_generators(
+                        keys, [pos + j for pos in positions], seeded, salt)
+                idx, q = sample_drafts(logits, params, shared)
             index[:, j] = idx
             qs.append(q)
             if j + 1 < k:
@@ -337,5 +373,7 @@ class UniversalProposer:
                 qs = [q.roll(1, dims=-1) for q in qs]
             if not params.all_greedy and self._fault != "omit_q":
                 self._last_q = self._q_buffer.fill(rows, qs, len(sampled_token_ids))
+        if self.config.debug_digests:
+            self._record_digest(rows, row_req, target, qs, params.all_greedy)
         self.counters["steps"] += 1
         self.counters["drafted_rows"] += len(rows)

@@ -189,6 +189,11 @@ class HFDrafterRuntime(DrafterRuntime):
 
     # -- capacity -----------------------------------------------------------------
     @property
+    def param_bytes(self) -> int:
+        """The drafter's weights in memory (every tensor-parallel rank holds a full copy)."""
+        return sum(t.numel() * t.element_size() for t in self.model.parameters())
+
+    @property
     def kv_bytes(self) -> int:
         return self._slot_cap * self._len_cap * self._bytes_per_token
 

@@ -1,0 +1,124 @@
+"""USD with the target sharded over two tensor-parallel ranks (vLLM CPU, tiny pair).
+
+vLLM builds one proposer per rank, keeps rank 0's drafts, but every rank runs
+the rejection sampler with its own q. So every rank must draft the same ids
+with the same q, or the ranks' token histories silently diverge.
+
+- Greedy output at TP=2 with USD equals TP=1 without it, with drafts accepted.
+- Under sampling, both ranks record identical per-step digests of (drafts, q)
+  (``usd.debug_digests``). A planted bug (``rank_rng``: drafting seeded with
+  the rank) must make them differ, here and in test_proposer_lifecycle.
+- The sampling-distribution test at TP=2, smaller sample: N = 4,000 two-token
+  completions with and without USD, chi-square homogeneity, pass at p >= 1e-3
+  (false-alarm rate 0.1%). Its power against a wrong q is shown at N = 20,000
+  in test_engine_distribution_pair.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.engines import engine, spec_counts, token_ids
+from tests.prompts import LOWERCASE
+from tests.stats import homogeneity_pvalue
+
+pytestmark = pytest.mark.engine
+
+N_SAMPLES = 4_000
+PROMPT = "it was"
+
+
+def _bind_env() -> dict[str, str]:
+    """One half of this process's CPUs per rank (vLLM's auto binding wants a NUMA node per rank)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.fail("tensor parallelism on CPU needs at least 2 CPUs for 2 ranks")
+    half = len(cpus) // 2
+    groups = [cpus[:half], cpus[half:2 * half]]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from vllm_usd.fixtures import tiny
+
+    return tiny.build_distribution_pair()
+
+
+def _run(llm) -> dict:
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    out = {"greedy": token_ids(llm.generate(LOWERCASE, greedy, use_tqdm=False))}
+    out["greedy_counts"] = spec_counts(llm)
+    mixed = [SamplingParams(temperature=0.9, top_k=20, max_tokens=32, ignore_eos=True, seed=i) if i % 2
+             else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, ignore_eos=True)
+             for i in range(len(LOWERCASE))]
+    out["mixed"] = token_ids(llm.generate(LOWERCASE, mixed, use_tqdm=False))
+    sp = SamplingParams(temperature=1.0, max_tokens=2)
+    out["samples"] = [tuple(ids) for ids in token_ids(llm.generate([PROMPT] * N_SAMPLES, sp, use_tqdm=False))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_plain(pair):
+    target, _ = pair
+    with engine(target, max_num_seqs=256) as llm:
+        return _run(llm)
+
+
+@pytest.fixture(scope="module")
+def tp2_usd(pair):
+    from vllm_usd.debug import draft_digests, proposer_stats
+
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
+                distributed_executor_backend="mp", env=_bind_env(), usd={"debug_digests": True}) as llm:
+        out = _run(llm)
+        out["digests"] = llm.collective_rpc(draft_digests)
+        out["stats"] = llm.collective_rpc(proposer_stats)
+        return out
+
+
+def test_greedy_at_tp2_equals_tp1_without_usd(tp1_plain, tp2_usd):
+    assert tp2_usd["greedy"] == tp1_plain["greedy"]
+    counts = tp2_usd["greedy_counts"]
+    assert counts["drafts"] > 0 and counts["accepted"] > 0, counts
+
+
+def test_every_rank_drafts_the_same_ids_with_the_same_q(tp2_usd):
+    digests = tp2_usd["digests"]
+    stats = tp2_usd["stats"]
+    assert len(digests) == 2 and [s["rank"] for s in stats] == [0, 1]
+    # one digest per drafting step, sampled steps (with q) included
+    assert len(digests[0]) == stats[0]["counters"]["steps"] > 0
+    assert stats[0]["q_buffer_bytes"] > 0, "no sampled step was drafted"
+    first = next(i for i, (a, b) in enumerate(zip(*digests)) if a != b) if digests[0] != digests[1] else None
+    assert digests[0] == digests[1], f"ranks diverged at drafting step {first}"
+
+
+def test_drafter_is_replicated_on_every_rank(tp2_usd):
+    stats = tp2_usd["stats"]
+    assert stats[0]["drafter_param_bytes"] == stats[1]["drafter_param_bytes"] > 0
+    assert [s["counters"].get("failed_steps", 0) for s in stats] == [0, 0]
+
+
+def test_sampling_distribution_unchanged_at_tp2(tp1_plain, tp2_usd):
+    p = homogeneity_pvalue(tp1_plain["samples"], tp2_usd["samples"])
+    assert p >= 1e-3, f"USD at TP=2 changed the output distribution: p = {p:.2e}"
+
+
+def test_digests_catch_rank_local_randomness_at_tp2(pair):
+    """Planted bug: each rank seeds drafting with its own rank. The ranks' digests must differ."""
+    from vllm import SamplingParams
+
+    from vllm_usd.debug import draft_digests
+
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, tensor_parallel_size=2, distributed_executor_backend="mp",
+                env={**_bind_env(), "VLLM_USD_TEST_FAULT": "rank_rng"}, usd={"debug_digests": True}) as llm:
+        llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
+        rank0, rank1 = llm.collective_rpc(draft_digests)
+    assert rank0 and rank1 and rank0 != rank1
