@@ -15,17 +15,22 @@ SCRIPT = textwrap.dedent("""
     import sys
     if __name__ == "__main__":
         from vllm import LLM
+        case = sys.argv[3]
         LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
-            speculative_config={"method": "custom_class", "model": "vllm_usd.UniversalProposer",
-                                "num_speculative_tokens": 3},
+            speculative_config={"method": "custom_class",
+                                "model": "vllm_usd.UniversalProposr" if case == "misspelled"
+                                else "vllm_usd.UniversalProposer",
+                                "num_speculative_tokens": 100 if case == "k100" else 3},
             additional_config={"usd": {"drafter": sys.argv[2], "drafter_typo": 1}
-                               if sys.argv[3] == "typo" else {"drafter": sys.argv[2]}})
+                               if case == "typo" else {"drafter": sys.argv[2]}})
 """)
 
 
 @pytest.mark.parametrize("case,expected", [
     ("missing", "vllm-usd: drafter folder not found"),
     ("typo", "vllm-usd: unknown key 'drafter_typo' in additional_config.usd. Valid keys: drafter,"),
+    ("k100", "vllm-usd: num_speculative_tokens = 100; use 1..16"),
+    ("misspelled", "has no attribute 'UniversalProposr' (speculative_config.model='vllm_usd.UniversalProposr')"),
 ])
 def test_startup_error_reaches_the_user(tmp_path, case, expected):
     from vllm_usd.fixtures import tiny

@@ -144,10 +144,25 @@ def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
     assert abs(est.greedy_length[3] - counts["acceptance_length"]) <= 0.25 * counts["acceptance_length"]
 
 
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+               "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+                              "population": {"type": "integer"}}}
+JSON_PROMPTS = ["Give the largest city of Japan as JSON:", "A JSON record for Paris:", "City data in JSON. Berlin:"]
+
+
+def _json(llm):
+    """Structured output through vLLM's guided decoding (JSON schema), greedy."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=96, structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(JSON_PROMPTS, sp, use_tqdm=False)]
+
+
 @pytest.fixture(scope="module")
 def smollm_reference(real_pair):
     with engine(real_pair["smollm2"], **REAL_ENGINE) as llm:
-        return _greedy(llm)
+        return {"greedy": _greedy(llm), "json": _json(llm)}
 
 
 @pytest.mark.engine
@@ -155,9 +170,19 @@ def test_greedy_equal_smollm_target_gemma_drafter(real_pair, smollm_reference):
     with engine(real_pair["smollm2"], drafter=real_pair["gemma3"], k=3, **REAL_ENGINE) as llm:
         got = _greedy(llm)
         counts = spec_counts(llm)
-    assert got == smollm_reference
+        structured = _json(llm)
+        json_counts = spec_counts(llm)
+    assert got == smollm_reference["greedy"]
     print(f"\nSmolLM2 <- Gemma-3, k=3: {counts}")
     assert counts["accepted"] > 0
+    # structured output: vLLM rejects drafts the grammar forbids; output equal and valid
+    assert structured == smollm_reference["json"]
+    assert json_counts["accepted"] > counts["accepted"], "no drafts accepted under the JSON grammar"
+    for text, finish in structured:
+        if finish == "stop":
+            record = json.loads(text)
+            assert set(record) == {"city", "country", "population"} and isinstance(record["population"], int)
+    assert any(finish == "stop" for _, finish in structured), structured
 
 
 def _free_port() -> int:
@@ -197,7 +222,7 @@ def test_server_completions_chat_stream_and_metrics(real_pair, smollm_reference,
             r = requests.post(f"{base}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
-            assert choice["token_ids"] == smollm_reference[i], (choice["text"], i)
+            assert choice["token_ids"] == smollm_reference["greedy"][i], (choice["text"], i)
             streamed = requests.post(f"{base}/v1/completions", json={**body, "stream": True}, timeout=120, stream=True)
             text = ""
             for line in streamed.iter_lines():

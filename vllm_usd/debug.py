@@ -30,3 +30,19 @@ def draft_digests(worker: Any) -> list[str] | None:
     if not getattr(drafter, "is_vllm_usd_proposer", False):
         return None
     return drafter.digests
+
+
+class ProposerStatsExtension:
+    """A vLLM worker extension that makes the readers above callable by name.
+
+    Start vLLM with ``--worker-extension-cls vllm_usd.debug.ProposerStatsExtension``;
+    then ``collective_rpc("usd_proposer_stats")`` works where functions cannot be
+    sent, for example through the API server's ``POST /collective_rpc``
+    (``VLLM_SERVER_DEV_MODE=1``, development only).
+    """
+
+    def usd_proposer_stats(self) -> dict[str, Any] | None:
+        return proposer_stats(self)
+
+    def usd_draft_digests(self) -> list[str] | None:
+        return draft_digests(self)
