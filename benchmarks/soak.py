@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -113,7 +114,8 @@ async def _one_request(client, base: str, model: str, body: dict[str, Any], abor
                 choice = json.loads(line[6:])["choices"][0]
                 ids.extend(choice.get("token_ids") or [])
                 chunks += 1
-                if abort_after is not None and chunks >= abort_after:
+                # drop the stream mid-way: only while the server is still generating
+                if abort_after is not None and chunks >= abort_after and choice.get("finish_reason") is None:
                     return "aborted", None  # leaving the block closes the stream: the server aborts
     except Exception as exc:  # noqa: BLE001 - a transport error is a finding, not a crash
         stats["transport_errors"] += 1
@@ -267,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             and proposer.get("drafter_requests") == 0,
             "memory_flat": memory["ok"],
             "aborts_happened": args.abort_rate == 0 or stats["aborted"] > 0,
+            "no_4xx": stats["4xx"] == 0,
         }
         report.update(stats=stats, health=health, proposer=proposer, memory_verdict=memory,
                       acceptance_length=1 + accepted / drafts if drafts else None, spec_counters=counters,
@@ -274,11 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001
         report.update(ok=False, failure=f"{type(exc).__name__}: {exc}")
     finally:
-        os.killpg(server.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGINT)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
         log.close()
     args.out.write_text(json.dumps(report, indent=1, default=str))
     summary = {k: report.get(k) for k in ("ok", "checks", "acceptance_length", "memory_verdict", "failure")}

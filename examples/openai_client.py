@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 
 def main() -> None:
@@ -18,13 +18,16 @@ def main() -> None:
     model = client.models.list().data[0].id
     done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=24, temperature=0)
     print("completion:", repr(done.choices[0].text))
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name three fruits."}],
-                                            max_tokens=32, temperature=0, stream=True)
-    print("chat (streamed): ", end="")
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
-    print()
+    try:
+        stream = client.chat.completions.create(model=model, max_tokens=32, temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": "Name three fruits."}])
+        print("chat (streamed): ", end="")
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                print(chunk.choices[0].delta.content, end="", flush=True)
+        print()
+    except BadRequestError as exc:  # a base model without a chat template
+        print(f"chat: not available for this model ({exc.status_code})")
 
 
 if __name__ == "__main__":

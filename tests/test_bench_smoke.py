@@ -41,7 +41,8 @@ def test_smoke_plan_writes_complete_results(tmp_path):
         if r["system"] == "usd_greedy":
             split = r["step_split"]
             parts = (split["target_and_vllm"], split["drafter_forward"], split["proposer_overhead"])
-            assert all(math.isfinite(p) and 0 <= p <= 1 for p in parts) and abs(sum(parts) - 1) < 1e-6
+            assert all(math.isfinite(p) and 0 < p < 1 for p in parts), split
+            assert split["proposer_phases_s"]["drafter_forward"] > 0 and split["proposer_phases_s"]["translate"] > 0
             assert len(r["per_position_acceptance"]) == 2
             if r["temperature"] == 0:
                 assert r["greedy_equal_plain"] is True

@@ -194,6 +194,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_output_equal(plain, usd, case):
+    assert isinstance(usd[case]["out"], list), usd[case]["out"]  # not an error message
     assert usd[case]["out"] == plain[case]["out"]
     if case not in NO_DRAFTS:
         assert usd[case]["drafts"] > 0 and usd[case]["accepted"] > 0, usd[case]
@@ -244,6 +245,7 @@ def test_prefix_cache_was_hit(usd):
 
 
 def test_drafting_stops_past_the_drafters_context(usd):
+    assert isinstance(usd["past_drafter_context"]["out"], list), usd["past_drafter_context"]["out"]
     assert usd["past_drafter_context"]["drafts"] == 0
     assert usd["stats"]["counters"].get("skipped_context_full", 0) >= 1
 
@@ -251,7 +253,8 @@ def test_drafting_stops_past_the_drafters_context(usd):
 def test_abort_frees_drafter_state_and_others_finish(plain, usd):
     assert set(usd["abort"]["done"]) == {"abort-test-0", "abort-test-2"}
     assert usd["abort"]["done"] == plain["abort"]["done"]
-    assert usd["abort"]["live_after_abort"] <= 2, "aborted requests still hold drafter state"
+    # the two requests still running hold drafter state; the two aborted ones no longer do
+    assert usd["abort"]["live_after_abort"] == 2
 
 
 def test_empty_prompt_and_engine_goes_on(plain, usd):

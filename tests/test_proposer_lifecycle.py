@@ -200,13 +200,16 @@ def test_digests_catch_rank_local_randomness(pair, monkeypatch):
 def test_unseeded_drafts_do_not_depend_on_earlier_steps(pair):
     """Drafting seeds come from (request, position), not from a generator's running state."""
     out = []
-    for warmup in (False, True):
-        p = _proposer(pair)
+    for warmup in (False, True, False):
+        p = _proposer(pair, seed=0 if len(out) < 2 else 1)
         runner = FakeRunner()
         if warmup:  # another request drafted first: a stateful RNG would have moved on
             runner.add("other", _prompt(pair, " the keeper"), sampling(1.0))
             runner.step(p, {})
             runner.remove("other")
         runner.add("free", _prompt(pair, " it was"), sampling(1.0))
-        out.append(runner.step(p, {}, finished={"other"} if warmup else ())["free"])
+        runner.add("free2", _prompt(pair, " a small house"), sampling(1.0))
+        drafts = runner.step(p, {}, finished={"other"} if warmup else ())
+        out.append((drafts["free"], drafts["free2"]))
     assert out[0] == out[1]
+    assert out[2] != out[0], "power check: another usd.seed must draw other drafts"

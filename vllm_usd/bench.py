@@ -27,9 +27,12 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,14 +83,20 @@ def load_prompts(path: str | os.PathLike | None = None) -> tuple[list[dict[str, 
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
+            data = None
+        if not isinstance(data, (list, dict)):  # plain text (even a line that parses as JSON)
             data = [line for line in text.splitlines() if line.strip()]
         meta = {"file": str(path)}
     if isinstance(data, list):
         data = {"groups": {"user": data}}
+    if not (isinstance(data, dict) and isinstance(data.get("groups"), dict)
+            and all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in data["groups"].values())):
+        raise ValueError(f"{meta['file']}: expected a JSON list of strings, {{\"groups\": {{name: [text, ...]}}}}, "
+                         "or plain text with one prompt per line")
     # interleave the groups, so any prefix of the list mixes them
     groups = list(data["groups"].items())
     prompts: list[dict[str, str]] = []
-    for i in range(max(len(v) for _, v in groups)):
+    for i in range(max((len(v) for _, v in groups), default=0)):
         for name, items in groups:
             if i < len(items):
                 prompts.append({"group": name, "text": items[i]})
@@ -164,13 +173,54 @@ def _engine_args(system: str, drafter: str, k: int) -> dict[str, Any]:
     return speculative_args(drafter=drafter, k=k, draft_sampling=sampling, profile=True)
 
 
+class EngineStartError(RuntimeError):
+    """vLLM did not start; the message is the root cause from the engine's own log."""
+
+
+_CAUSE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)$")
+
+
+def _root_cause(log: str) -> str | None:
+    """The last error line in an engine log that is not vLLM's generic start-up failure."""
+    causes = []
+    for line in log.splitlines():
+        m = _CAUSE.search(line)
+        if m and "Engine core initialization failed" not in m.group(2):
+            causes.append(f"{m.group(1)}: {m.group(2).strip()}")
+    inner = [c for c in causes if "Worker failed with error" not in c]
+    return (inner or causes or [None])[-1]
+
+
+@contextlib.contextmanager
+def _stderr_copied_to(path: Path) -> Iterator[None]:
+    """Send fd 2 (ours and the engine processes' started meanwhile) to ``path`` as well as the terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    tee = subprocess.Popen(["tee", "-a", str(path)], stdin=subprocess.PIPE, stdout=saved)
+    os.dup2(tee.stdin.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        tee.stdin.close()  # tee ends once the engine processes close their copies
+
+
 @contextlib.contextmanager
 def _engine(target: str, max_num_seqs: int, extra: dict[str, Any]) -> Iterator[Any]:
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(proposer_stats)
-    llm = LLM(model=target, max_num_seqs=max_num_seqs, **ENGINE_SETTINGS, **extra)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "engine-start.log"
+        try:
+            with _stderr_copied_to(log):
+                llm = LLM(model=target, max_num_seqs=max_num_seqs, **ENGINE_SETTINGS, **extra)
+        except Exception as exc:
+            cause = _root_cause(log.read_text(errors="replace")) if log.exists() else None
+            raise EngineStartError(cause or f"{type(exc).__name__}: {exc}") from exc
     try:
         yield llm
     finally:
@@ -266,8 +316,8 @@ def _hf_rows(pair: PairSpec, plan: BenchPlan, prompts: list[str], report: Callab
     torch.manual_seed(0)
     rows: list[dict] = []
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
-    t_tok = AutoTokenizer.from_pretrained(pair.target)
-    d_tok = AutoTokenizer.from_pretrained(pair.drafter)
+    t_tok: Any = None
+    d_tok: Any = None
     drafter: Any = None
     calls = {"n": 0}
     hook = target.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
@@ -275,7 +325,9 @@ def _hf_rows(pair: PairSpec, plan: BenchPlan, prompts: list[str], report: Callab
     def generate(prompt: str, temperature: float, k: int | None) -> tuple[int, int]:
         enc = t_tok(prompt, return_tensors="pt")
         kwargs: dict[str, Any] = dict(max_new_tokens=plan.max_tokens, min_new_tokens=plan.max_tokens,
-                                      do_sample=temperature > 0, pad_token_id=t_tok.pad_token_id or t_tok.eos_token_id)
+                                      do_sample=temperature > 0,
+                                      pad_token_id=t_tok.eos_token_id if t_tok.pad_token_id is None
+                                      else t_tok.pad_token_id)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         if k is not None:
@@ -295,8 +347,11 @@ def _hf_rows(pair: PairSpec, plan: BenchPlan, prompts: list[str], report: Callab
         settings += [("hf_assisted", k) for k in plan.ks]
     try:
         for temperature in plan.temperatures:
-            # fresh per temperature: sampled assisted generation prunes the assistant's LM head in place
+            # fresh per temperature: sampled assisted generation prunes the assistant's LM head in
+            # place and caches its vocabulary translator by tokenizer object, so renew both
             drafter = AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
+            t_tok = AutoTokenizer.from_pretrained(pair.target)
+            d_tok = AutoTokenizer.from_pretrained(pair.drafter)
             for system, k in settings:
                 report(f"{pair.name}: {system} k={k} T={temperature} batch=1")
                 generate(prompts[0], temperature, k)  # warm-up
@@ -366,8 +421,12 @@ def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] |
             except Exception as exc:  # noqa: BLE001 - a system that cannot start is a result, not a crash
                 message = f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
                 report(f"{pair.name}: {system} k={k} failed: {message}")
+                done = {(r["temperature"], r["batch"]) for r in rows
+                        if r["pair"] == pair.name and r["system"] == system and r["k"] == k}
                 for temperature in temps:
                     for batch in plan.batch_sizes:
+                        if (temperature, batch) in done:
+                            continue
                         rows.append({"pair": pair.name, "system": system, "k": k, "temperature": temperature,
                                      "batch": batch, "status": "failed", "error": message})
         if any(s in plan.systems for s in HF_SYSTEMS):

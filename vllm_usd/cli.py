@@ -163,7 +163,7 @@ def serve_command(target: str, drafter: str, k: int, usd: dict[str, Any], passth
     ]
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, argv_used: Sequence[str] | None = None) -> int:
     from pathlib import Path
 
     from vllm_usd.bench import ALL_SYSTEMS, BenchPlan, PairSpec, load_prompts, markdown_table, run_plan, write_outputs
@@ -177,11 +177,15 @@ def _bench(args: argparse.Namespace) -> int:
     plan = BenchPlan(pairs=[PairSpec("pair", args.target, args.drafter)], systems=tuple(args.systems),
                      ks=tuple(args.ks), temperatures=tuple(args.temperatures), batch_sizes=tuple(args.batch_sizes),
                      repeats=args.repeats, max_tokens=args.max_tokens, prompts=prompts)
-    engines = len([s for s in args.systems if s == "plain"]) + len(args.ks) * len(
-        [s for s in args.systems if s in ("native", "usd_greedy", "usd_sampled")])
-    bar = _progress(total=engines * len(args.temperatures) * len(args.batch_sizes))
-    result = run_plan(plan, command=shlex.join(["vllm-usd", *sys.argv[1:]]), progress=bar)
-    bar.close()
+    temps, batches, ks = len(args.temperatures), len(args.batch_sizes), len(args.ks)
+    sampled_temps = len([t for t in args.temperatures if t > 0])
+    per_system = {"plain": temps * batches, "native": ks * temps * batches, "usd_greedy": ks * temps * batches,
+                  "usd_sampled": ks * sampled_temps * batches, "hf_plain": temps, "hf_assisted": ks * temps}
+    bar = _progress(total=sum(per_system[s] for s in set(args.systems)))
+    try:
+        result = run_plan(plan, command=shlex.join(["vllm-usd", "bench", *(argv_used or [])]), progress=bar)
+    finally:
+        bar.close()
     result["prompts"] = meta
     print(markdown_table(result))
     if args.out:
@@ -259,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return _bench(args)
+        return _bench(args, list(argv if argv is not None else sys.argv[1:])[1:])
     if args.command == "analyze":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

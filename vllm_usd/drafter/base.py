@@ -41,6 +41,16 @@ class DrafterRuntime(ABC):
     @abstractmethod
     def num_requests(self) -> int: ...
 
+    @property
+    @abstractmethod
+    def kv_bytes(self) -> int:
+        """Memory held for the drafter's KV cache."""
+
+    @property
+    @abstractmethod
+    def param_bytes(self) -> int:
+        """The drafter's weights in memory (a full copy on every tensor-parallel rank)."""
+
     @abstractmethod
     def cached_tokens(self, req_id: str) -> list[int]:
         """The drafter tokens whose KV is held for ``req_id``."""

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python examples/check_real_pair.py            # both models, one subprocess each
-    python examples/check_real_pair.py gemma3     # just one (runs in this process)
+    python scripts/check_real_pair.py            # both models, one subprocess each
+    python scripts/check_real_pair.py gemma3     # just one (runs in this process)
 
 vLLM start-up takes about a minute per model on a small CPU box; one engine per process.
 """

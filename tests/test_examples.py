@@ -1,0 +1,78 @@
+"""Every example, and the `vllm-usd bench` front, run on the tiny fixtures as a user would run them.
+
+The real-pair defaults are exercised by `scripts/demo.sh` (the README's main
+command) and by test_real_pair; here each script must exit 0 and print what it
+promises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from vllm_usd.fixtures import tiny
+
+    return tiny.build_distribution_pair()
+
+
+def _run(cmd: list[str], timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PY": sys.executable, **env}
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def test_analyze_pair_example(pair):
+    from vllm_usd.vocab import VocabMapping
+
+    res = _run(["bash", "examples/analyze_pair.sh", *pair, "--json"])
+    report = json.loads(res.stdout)
+    from transformers import AutoTokenizer
+
+    mapping = VocabMapping.build(AutoTokenizer.from_pretrained(pair[0]), AutoTokenizer.from_pretrained(pair[1]))
+    assert report["intersection"] == mapping.size
+
+
+@pytest.mark.engine
+def test_offline_batch_example(pair):
+    res = _run([sys.executable, "examples/offline_batch.py", "--target", pair[0], "--drafter", pair[1],
+                "--max-tokens", "16"])
+    assert "acceptance" in res.stdout.lower(), res.stdout[-2000:]
+
+
+@pytest.mark.engine
+def test_demo_on_the_tiny_pair(pair):
+    """examples/demo.py exits non-zero when greedy output differs from the target alone."""
+    res = _run([sys.executable, "examples/demo.py", "--target", pair[0], "--drafter", pair[1], "--max-tokens", "16"])
+    assert "greedy outputs identical to the target alone: 8/8" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.engine
+def test_serve_and_query_example(pair):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = _run(["bash", "examples/serve_and_query.sh", *pair], PORT=str(port))
+    assert "completion:" in res.stdout and "vllm:spec_decode_num_accepted_tokens_total" in res.stdout, res.stdout
+    assert "equivalent plain vLLM command" in res.stdout + res.stderr
+
+
+@pytest.mark.engine
+def test_vllm_usd_bench_front(pair, tmp_path):
+    out = tmp_path / "bench.json"
+    res = _run([sys.executable, "-m", "vllm_usd.cli", "bench", *pair, "-k", "2", "--systems", "plain", "usd_greedy",
+                "--temperatures", "0", "--batch-sizes", "2", "--repeats", "1", "--max-tokens", "8", "--out", str(out)])
+    assert "| pair | usd_greedy | 2 | 0.0 | 2 |" in res.stdout, res.stdout[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["system"] for r in rows] == ["plain", "usd_greedy"] and rows[1]["acceptance_length"] > 1
