@@ -113,3 +113,25 @@ def test_runner_hook_hands_q_to_the_runner():
     other = OtherRunner()
     hook(other, "s")
     assert not hasattr(other, "_draft_probs"), "other proposers must be left alone"
+
+
+def test_runner_hook_moves_q_to_the_runners_device():
+    """The drafter runs on the CPU; on a GPU runner q must reach the sampler on the runner's device."""
+
+    class FakeProposer:
+        is_vllm_usd_proposer = True
+
+        def bind_step(self, runner, scheduler_output):
+            pass
+
+        def take_last_draft_probs(self):
+            return torch.ones(2, 3, 4)
+
+    class Runner:
+        drafter = FakeProposer()
+        input_batch = type("B", (), {"req_ids": ["a", "b"]})()
+        device = torch.device("meta")  # stands in for cuda:0 on a CPU-only machine
+
+    runner = Runner()
+    compat._wrap_propose(lambda self, so: [[1], [2]])(runner, "sched")
+    assert runner._draft_probs.device.type == "meta" and runner._draft_probs.shape == (2, 3, 4)

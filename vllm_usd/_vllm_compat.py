@@ -85,6 +85,10 @@ def _wrap_propose(original):
         if ours:
             probs = drafter.take_last_draft_probs()
             if probs is not None:
+                device = getattr(self, "device", None)
+                if device is not None and probs.device != torch.device(device):
+                    # the drafter runs on the CPU; the rejection sampler wants q beside the target's probs
+                    probs = probs.to(device, non_blocking=True)
                 self._draft_probs = probs
                 self._draft_prob_req_ids = list(self.input_batch.req_ids)
         return out
