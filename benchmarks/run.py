@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import socket
 import sys
 from pathlib import Path
@@ -70,9 +71,15 @@ def main(argv: list[str] | None = None) -> int:
                      temperatures=tuple(args.temperatures), batch_sizes=tuple(args.batch_sizes),
                      repeats=args.repeats, max_tokens=args.max_tokens, min_prompts=args.min_prompts,
                      hf_prompts=args.hf_prompts, prompts=prompts)
-    result = run_plan(plan, command=" ".join([Path(sys.executable).name, *sys.argv]))
-    result["prompts"] = meta
     out = args.out or Path(__file__).parent / "results" / f"{dt.date.today().isoformat()}-{socket.gethostname()}.json"
+
+    def checkpoint(partial: dict) -> None:  # a killed run keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".partial.json").write_text(json.dumps({**partial, "prompts": meta}, indent=1, default=str))
+
+    result = run_plan(plan, command=" ".join([Path(sys.executable).name, *sys.argv]), checkpoint=checkpoint)
+    result["prompts"] = meta
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     paths = write_outputs(result, out)
     print(markdown_table(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,8 +28,17 @@ def pair():
 
 
 def _run(cmd: list[str], timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run an example in its own process group; on a timeout the whole group (vLLM's engine too) is killed."""
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PY": sys.executable, **env}
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[1]} did not finish in {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 

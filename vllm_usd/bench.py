@@ -21,6 +21,7 @@ the rest of vLLM), the drafter's forwards and the proposer's own overhead.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import gc
 import json
@@ -388,10 +389,28 @@ def _vllm_engines(plan: BenchPlan) -> list[tuple[str, int | None]]:
     return engines
 
 
-def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] | None = None,
+             checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every system of the plan; ``checkpoint`` gets the partial result after each engine."""
     report = progress or (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
     started = time.time()
     rows: list[dict[str, Any]] = []
+
+    def result(final: bool) -> dict[str, Any]:
+        done = rows if final else copy.deepcopy(rows)
+        _add_ratios(done)
+        return {
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "complete": final,
+            "command": command, "host": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+            "versions": _versions(), "seconds": time.time() - started,
+            "plan": {**asdict(plan), "prompts": None, "num_prompts": len(plan.prompts),
+                     "pairs": [asdict(p) for p in plan.pairs]},
+            "engine_settings": ENGINE_SETTINGS, "rows": done,
+        }
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(result(final=False))
     n_prompts = max(plan.min_prompts, max(plan.batch_sizes))
     texts = [p["text"] for p in plan.prompts]
     setting_prompts = [texts[i % len(texts)] for i in range(n_prompts)]
@@ -429,6 +448,7 @@ def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] |
                             continue
                         rows.append({"pair": pair.name, "system": system, "k": k, "temperature": temperature,
                                      "batch": batch, "status": "failed", "error": message})
+            save()
         if any(s in plan.systems for s in HF_SYSTEMS):
             try:
                 with PeakMemory() as mem:
@@ -441,15 +461,8 @@ def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] |
                 report(f"{pair.name}: transformers assisted generation failed: {message}")
                 rows.append({"pair": pair.name, "system": "hf_assisted", "k": None, "temperature": None,
                              "batch": 1, "status": "failed", "error": message})
-    _add_ratios(rows)
-    return {
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command, "host": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
-        "versions": _versions(), "seconds": time.time() - started,
-        "plan": {**asdict(plan), "prompts": None, "num_prompts": len(plan.prompts),
-                 "pairs": [asdict(p) for p in plan.pairs]},
-        "engine_settings": ENGINE_SETTINGS, "rows": rows,
-    }
+            save()
+    return result(final=True)
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
