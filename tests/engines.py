@@ -46,17 +46,9 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
 
 def spec_counts(llm: Any) -> dict[str, Any]:
     """vLLM's own spec-decode counters: drafts, draft tokens, accepted, per position."""
-    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    for metric in llm.get_metrics():
-        name = metric.name
-        if name == "vllm:spec_decode_num_drafts":
-            out["drafts"] = metric.value
-        elif name == "vllm:spec_decode_num_draft_tokens":
-            out["draft_tokens"] = metric.value
-        elif name == "vllm:spec_decode_num_accepted_tokens":
-            out["accepted"] = metric.value
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["per_pos"] = list(metric.values)
+    from vllm_usd.bench import spec_counters
+
+    out = spec_counters(llm)
     out["acceptance_length"] = 1 + out["accepted"] / out["drafts"] if out["drafts"] else 1.0
     return out
 

@@ -231,7 +231,8 @@ def _engine(target: str, max_num_seqs: int, extra: dict[str, Any]) -> Iterator[A
         gc.collect()
 
 
-def _spec_counters(llm: Any) -> dict[str, Any]:
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's cumulative spec-decode counters: drafts, draft tokens, accepted, accepted per position."""
     out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
     for m in llm.get_metrics():
         if m.name == "vllm:spec_decode_num_drafts":
@@ -279,7 +280,7 @@ def _run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, m
                             logprobs=0 if want_logprobs else None)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     llm.generate(groups[0][: max(1, min(batch, 2))], params, use_tqdm=False)  # warm-up
-    before = _spec_counters(llm)
+    before = spec_counters(llm)
     t_before = _proposer_timings(llm) if usd else {}
     runs: list[float] = []
     outputs: list[Any] = []
@@ -292,7 +293,7 @@ def _run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, m
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         runs.append(tokens / seconds)
-    counts = _delta(_spec_counters(llm), before)
+    counts = _delta(spec_counters(llm), before)
     row: dict[str, Any] = {"tok_s_runs": runs, "tok_s": statistics.median(runs)}
     drafts = counts["drafts"]
     row["acceptance_length"] = 1 + counts["accepted"] / drafts if drafts else None
