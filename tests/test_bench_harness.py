@@ -67,3 +67,67 @@ def test_ratios_equality_and_quality_against_the_target_alone():
     assert all("greedy_outputs" not in r for r in rows)
     table = bench.markdown_table({"rows": rows})
     assert "| p | usd_greedy | 2 | 0.0 | 8 |" in table and "0.50x" in table and "failed: AssertionError: x" in table
+
+
+def _split(overhead):
+    return {"target_and_vllm": 0.6, "drafter_forward": 0.4 - overhead, "proposer_overhead": overhead}
+
+
+def test_projection_uses_the_measured_acceptance_and_k():
+    row = _row("usd_greedy", 10.0, k=4, acceptance_length=2.4, step_split=_split(0.0))
+    bench._add_projection(row)
+    assert math.isclose(row["projected_speedup"], 2.4 / (1 + 4 * bench.PROJECTION_COST_RATIO))
+    assert math.isclose(row["measured_cost_ratio"], 0.4 / (4 * 0.6))
+    plain = _row("plain", 10.0)
+    bench._add_projection(plain)
+    assert "projected_speedup" not in plain
+
+
+def test_targets_are_judged_from_the_rows():
+    rows = [
+        # tiny-like pair: native runs
+        _row("native", 1.0, k=2, acceptance_length=2.0),
+        _row("usd_greedy", 1.0, k=2, acceptance_length=2.4, step_split=_split(0.04)),
+        _row("usd_greedy", 1.0, k=2, acceptance_length=1.5, temperature=0.8, step_split=_split(0.12)),
+        _row("usd_sampled", 1.0, k=2, acceptance_length=1.9, temperature=0.8, step_split=_split(0.05)),
+        _row("usd_greedy", 1.0, k=2, batch=1, acceptance_length=2.2),
+        _row("hf_assisted", 1.0, k=2, batch=1, acceptance_length=2.5),
+        # real-like pair: native cannot start
+        {"pair": "q", "system": "native", "k": 2, "temperature": 0.0, "batch": 8, "status": "failed",
+         "error": "AssertionError: kv cache group"},
+        {**_row("usd_greedy", 1.0, k=2, acceptance_length=2.0), "pair": "q"},
+    ]
+    checks = bench.check_targets({"rows": rows})
+    by = {(c["target"], c["what"].split(":")[0]): c for c in checks}
+    assert by[("vs_native", "p k=2 batch=8")]["met"] is True  # 2.4 / 2.0 = 1.2
+    assert math.isclose(by[("vs_native", "p k=2 batch=8")]["value"], 1.2)
+    assert by[("vs_native", "q k=2 batch=8")]["met"] is None
+    assert "kv cache group" in by[("vs_native", "q k=2 batch=8")]["detail"]
+    assert by[("vs_transformers", "p k=2 batch=1")]["met"] is False  # 2.2 < 2.5
+    assert by[("sampled_beats_greedy", "p k=2 T=0.8 batch=8")]["met"] is True
+    overhead = {c["what"].split(":")[0]: c["met"] for c in checks if c["target"] == "overhead"}
+    assert overhead == {"p usd_greedy k=2 T=0.0 batch=8": True, "p usd_greedy k=2 T=0.8 batch=8": False,
+                        "p usd_sampled k=2 T=0.8 batch=8": True}
+    text = bench.targets_markdown(checks)
+    assert "**missed**" in text and "not measurable" in text
+
+
+def test_report_regenerates_table_projection_and_targets_from_json(tmp_path):
+    rows = [_row("plain", 100.0, greedy_outputs=[[1]]),
+            _row("usd_greedy", 50.0, k=2, acceptance_length=2.5, greedy_outputs=[[1]], step_split=_split(0.03))]
+    bench._add_ratios(rows)
+    for r in rows:  # as an older harness wrote them
+        r.pop("projected_speedup", None)
+        r.pop("measured_cost_ratio", None)
+    result = {"command": "x", "cpu": "c", "cpus": 2, "versions": {}, "rows": rows}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    out = subprocess.run([sys.executable, "benchmarks/report.py", str(path)], capture_output=True, text=True,
+                         cwd=bench.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    saved = json.loads(path.read_text())
+    assert math.isclose(saved["rows"][1]["projected_speedup"], 2.5 / 1.1)
+    assert saved["targets"] and saved["targets"][0]["target"] == "overhead"
+    md = path.with_suffix(".md").read_text()
+    assert "2.27x" in md and "| yes |" in md and "### Targets" in md
+    assert path.with_suffix(".png").stat().st_size > 1000

@@ -485,6 +485,26 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
             r["quality"] = _quality(b["mean_logprob_per_seq"], r["mean_logprob_per_seq"])
     for r in rows:
         r.pop("greedy_outputs", None)
+        _add_projection(r)
+
+
+PROJECTION_COST_RATIO = 0.05  # a 135M drafter for a multi-billion target on a GPU: one draft ~ 5% of a target step
+
+
+def _add_projection(row: dict[str, Any]) -> None:
+    """(E[accepted] + 1) / (1 + k*c): the speedup the measured acceptance would give at cost ratio c.
+
+    ``measured_cost_ratio`` is c on this machine for vllm-usd rows: the drafter's time per drafted
+    token over the time of one target step (and the rest of vLLM), from the phase timers.
+    """
+    if row.get("status") != "ok" or not row.get("k") or not row.get("acceptance_length"):
+        return
+    k, length = row["k"], row["acceptance_length"]
+    row["projected_speedup"] = length / (1 + k * PROJECTION_COST_RATIO)
+    row["projection_cost_ratio"] = PROJECTION_COST_RATIO
+    split = row.get("step_split")
+    if split and split.get("target_and_vllm"):
+        row["measured_cost_ratio"] = split["drafter_forward"] / (k * split["target_and_vllm"])
 
 
 def _quality(plain: list[float], spec: list[float]) -> dict[str, float]:
@@ -508,12 +528,12 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 def markdown_table(result: dict[str, Any]) -> str:
     lines = ["| pair | system | k | T | batch | accept. length | per-position acceptance | tok/s | vs target alone "
-             "| step: target / drafter / overhead | peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| greedy = target | step: target / drafter / overhead | measured c | projected at c=0.05 | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['pair']} | {r['system']} | {_fmt(r['k'], 'd')} | {_fmt(r['temperature'], '.1f')} "
-                         f"| {r['batch']} | failed: {r['error'][:90]} | | | | | |")
+                         f"| {r['batch']} | failed: {r['error'][:90]} | | | | | | | | |")
             continue
         split = r.get("step_split")
         split_s = (f"{split['target_and_vllm']:.0%} / {split['drafter_forward']:.0%} / "
@@ -525,9 +545,97 @@ def markdown_table(result: dict[str, Any]) -> str:
             ratio_s = f"{_fmt(ratio)}x (HF: {_fmt(r.get('ratio_vs_hf_plain'))}x)"
         else:
             ratio_s = f"{_fmt(ratio)}x"
+        equal = r.get("greedy_equal_plain")
+        equal_s = "-" if equal is None else ("yes" if equal else "**no**")
+        proj = r.get("projected_speedup")
         lines.append(f"| {r['pair']} | {r['system']} | {_fmt(r['k'], 'd')} | {r['temperature']:.1f} | {r['batch']} "
                      f"| {_fmt(r.get('acceptance_length'))} | {pos_s} | {_fmt(r['tok_s'], '.1f')} | {ratio_s} "
-                     f"| {split_s} | {_fmt(r.get('peak_memory_mib'), '.0f')} |")
+                     f"| {equal_s} | {split_s} | {_fmt(r.get('measured_cost_ratio'))} "
+                     f"| {_fmt(proj) + 'x' if proj else '-'} | {_fmt(r.get('peak_memory_mib'), '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def quality_table(result: dict[str, Any]) -> str:
+    """Sampled rows: mean per-sequence log-prob under the target, with and without speculation."""
+    rows = [r for r in result["rows"] if r.get("status") == "ok" and r.get("quality")]
+    if not rows:
+        return ""
+    lines = ["| pair | system | k | T | batch | sequences | target alone | with speculation | Mann-Whitney p |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q = r["quality"]
+        lines.append(f"| {r['pair']} | {r['system']} | {_fmt(r['k'], 'd')} | {r['temperature']:.1f} | {r['batch']} "
+                     f"| {r.get('num_prompts', '-')} | {q['plain_mean_logprob']:.3f} | {q['spec_mean_logprob']:.3f} "
+                     f"| {_fmt(q.get('mannwhitney_p'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _ok(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
+
+
+def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's four targets, each as measured: ``met`` is True, False, or None (not measurable)."""
+    rows = result["rows"]
+    out: list[dict[str, Any]] = []
+    pairs = list(dict.fromkeys(r["pair"] for r in rows))
+    for pair in pairs:
+        # 1. acceptance >= 1.15x vLLM native's at T=0, same k and batch
+        for usd in _ok(rows, pair=pair, system="usd_greedy", temperature=0.0):
+            native = [r for r in rows if r["pair"] == pair and r["system"] == "native" and r["k"] == usd["k"]
+                      and r["temperature"] == 0.0 and r["batch"] == usd["batch"]]
+            what = f"{pair} k={usd['k']} batch={usd['batch']}: usd_greedy vs native acceptance at T=0, target >= 1.15x"
+            if not native:
+                continue
+            if native[0]["status"] != "ok" or not native[0].get("acceptance_length"):
+                out.append({"target": "vs_native", "what": what, "met": None,
+                            "detail": f"native did not run: {native[0].get('error', 'no drafts')}"})
+                continue
+            ratio = usd["acceptance_length"] / native[0]["acceptance_length"]
+            out.append({"target": "vs_native", "what": what, "met": ratio >= 1.15, "value": ratio,
+                        "detail": f"{usd['acceptance_length']:.2f} vs {native[0]['acceptance_length']:.2f} "
+                                  f"= {ratio:.2f}x"})
+        # 2. acceptance >= transformers' universal assisted generation, batch 1, same prompts
+        for hf in _ok(rows, pair=pair, system="hf_assisted", temperature=0.0):
+            usd = _ok(rows, pair=pair, system="usd_greedy", temperature=0.0, k=hf["k"], batch=1)
+            if not usd or not hf.get("acceptance_length"):
+                continue
+            a, b = usd[0]["acceptance_length"], hf["acceptance_length"]
+            out.append({"target": "vs_transformers", "met": a >= b, "value": a / b,
+                        "what": f"{pair} k={hf['k']} batch=1: usd_greedy vs transformers assisted acceptance at T=0",
+                        "detail": f"{a:.2f} vs {b:.2f} = {a / b:.2f}x"})
+        # 3. at T>0 sampled drafting (with q) beats greedy drafting in acceptance
+        for sampled in _ok(rows, pair=pair, system="usd_sampled"):
+            greedy = _ok(rows, pair=pair, system="usd_greedy", temperature=sampled["temperature"],
+                         k=sampled["k"], batch=sampled["batch"])
+            if not greedy or not sampled.get("acceptance_length") or not greedy[0].get("acceptance_length"):
+                continue
+            a, b = sampled["acceptance_length"], greedy[0]["acceptance_length"]
+            out.append({"target": "sampled_beats_greedy", "met": a > b, "value": a / b,
+                        "what": f"{pair} k={sampled['k']} T={sampled['temperature']} batch={sampled['batch']}: "
+                                "usd_sampled vs usd_greedy acceptance",
+                        "detail": f"{a:.2f} vs {b:.2f}"})
+        # 4. proposer overhead <= 10% of step time at the largest batch
+        batches = [r["batch"] for r in rows if r["pair"] == pair]
+        top = max(batches) if batches else None
+        for r in _ok(rows, pair=pair, batch=top):
+            split = r.get("step_split")
+            if not r["system"].startswith("usd") or not split:
+                continue
+            out.append({"target": "overhead", "met": split["proposer_overhead"] <= 0.10,
+                        "value": split["proposer_overhead"],
+                        "what": f"{pair} {r['system']} k={r['k']} T={r['temperature']} batch={top}: "
+                                "proposer overhead share of step time, target <= 10%",
+                        "detail": f"{split['proposer_overhead']:.1%}"})
+    return out
+
+
+def targets_markdown(checks: list[dict[str, Any]]) -> str:
+    if not checks:
+        return ""
+    mark = {True: "met", False: "**missed**", None: "not measurable"}
+    lines = ["| check | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {c['what']} | {c['detail']} | {mark[c['met']]} |" for c in checks]
     return "\n".join(lines) + "\n"
 
 
@@ -570,10 +678,16 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
 
 def write_outputs(result: dict[str, Any], out: Path, make_plot: bool = True) -> dict[str, Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+    for row in result["rows"]:  # idempotent: a JSON from an older harness gets them too
+        _add_projection(row)
+    result["targets"] = check_targets(result)
     md = out.with_suffix(".md")
+    out.write_text(json.dumps(result, indent=1, default=str))
     md.write_text(f"Command: `{result['command']}`  \nCPU: {result['cpu']} x {result['cpus']}; "
-                  f"versions: {result['versions']}\n\n" + markdown_table(result))
+                  f"versions: {result['versions']}\n\n" + markdown_table(result)
+                  + ("\n### Output quality of sampled rows (mean log-prob under the target)\n\n" + quality_table(result)
+                     if quality_table(result) else "")
+                  + ("\n### Targets\n\n" + targets_markdown(result["targets"]) if result["targets"] else ""))
     paths = {"json": out, "md": md}
     if make_plot:
         png = out.with_suffix(".png")
