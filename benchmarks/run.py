@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", help="prompts file (default: the built-in 64)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny pair; plain, usd_greedy and transformers; k=2, batch 1 and 4, one repeat")
+    parser.add_argument("--fix-cpu-sampler", action="store_true",
+                        help="install vllm-usd's fix of vLLM's CPU rejection-sampler bug in every engine, "
+                             "vLLM's native drafter included (vllm-usd installs it for itself anyway)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = BenchPlan(pairs=pair_specs(args.pairs), systems=tuple(args.systems), ks=tuple(args.ks),
                      temperatures=tuple(args.temperatures), batch_sizes=tuple(args.batch_sizes),
                      repeats=args.repeats, max_tokens=args.max_tokens, min_prompts=args.min_prompts,
-                     hf_prompts=args.hf_prompts, prompts=prompts)
+                     hf_prompts=args.hf_prompts, prompts=prompts,
+                     fix_cpu_sampler=args.fix_cpu_sampler)
     out = args.out or Path(__file__).parent / "results" / f"{dt.date.today().isoformat()}-{socket.gethostname()}.json"
 
     def checkpoint(partial: dict) -> None:  # a killed run keeps what it measured

@@ -66,6 +66,9 @@ class BenchPlan:
     max_tokens: int = 32
     min_prompts: int = 8  # per setting: batch 1 runs this many prompts one after another
     hf_prompts: int = 4
+    # install vllm-usd's fix of vLLM's CPU rejection-sampler bug (docs/cpu-expand-bug.md) in every engine,
+    # vLLM's native drafter included; vllm-usd's own engines install it either way
+    fix_cpu_sampler: bool = False
     prompts: list[dict[str, str]] = field(default_factory=list)  # {"group", "text"}
 
 
@@ -412,6 +415,8 @@ def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] |
     def save() -> None:
         if checkpoint is not None:
             checkpoint(result(final=False))
+    if plan.fix_cpu_sampler:  # read by vllm_usd.plugin.register() in each engine process
+        os.environ["VLLM_USD_FIX_CPU_SAMPLER"] = "1"
     n_prompts = max(plan.min_prompts, max(plan.batch_sizes))
     texts = [p["text"] for p in plan.prompts]
     setting_prompts = [texts[i % len(texts)] for i in range(n_prompts)]
