@@ -131,3 +131,19 @@ def test_report_regenerates_table_projection_and_targets_from_json(tmp_path):
     md = path.with_suffix(".md").read_text()
     assert "2.27x" in md and "| yes |" in md and "### Targets" in md
     assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def test_summary_table_has_one_line_per_system_with_every_batch():
+    rows = [_row("plain", 100.0, batch=1), _row("plain", 200.0, batch=8),
+            _row("usd_greedy", 50.0, k=2, batch=1, acceptance_length=2.5),
+            _row("usd_greedy", 150.0, k=2, batch=8, acceptance_length=2.25),
+            {"pair": "p", "system": "native", "k": 2, "temperature": 0.0, "batch": 1, "status": "failed",
+             "error": "AssertionError: group"},
+            {"pair": "p", "system": "native", "k": 2, "temperature": 0.0, "batch": 8, "status": "failed",
+             "error": "AssertionError: group"}]
+    bench._add_ratios(rows)
+    lines = bench.summary_table({"rows": rows}).splitlines()
+    assert len(lines) == 4  # header, rule, usd_greedy, native
+    assert lines[2].startswith("| p | 0.0 | usd_greedy | 2 | 2.50 | 2.25 | 0.50x | 0.75x |")
+    assert "2.05-2.27x" in lines[2]
+    assert "failed: AssertionError: group" in lines[3]

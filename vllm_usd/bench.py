@@ -560,6 +560,33 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary_table(result: dict[str, Any]) -> str:
+    """One line per (pair, T, system, k): acceptance length and speed ratio at each batch size."""
+    rows = [r for r in result["rows"] if r["system"] != "plain"]
+    batches = sorted({r["batch"] for r in rows})
+    keys = list(dict.fromkeys((r["pair"], r["temperature"], r["system"], r["k"]) for r in rows))
+    head = ("| pair | T | system | k | " + " | ".join(f"accept. length b={b}" for b in batches) + " | "
+            + " | ".join(f"vs target alone b={b}" for b in batches) + " | projected at c=0.05 |")
+    lines = [head, "|" + "---|" * (5 + 2 * len(batches))]
+    for pair, temp, system, k in keys:
+        match = {r["batch"]: r for r in rows if (r["pair"], r["temperature"], r["system"], r["k"]) == (pair, temp, system, k)}
+        if all(r["status"] != "ok" for r in match.values()):
+            error = next(iter(match.values()))["error"]
+            lines.append(f"| {pair} | {_fmt(temp, '.1f')} | {system} | {_fmt(k, 'd')} | "
+                         f"failed: {error[:100]} |" + " |" * (2 * len(batches)))
+            continue
+        acc = [_fmt(match[b].get("acceptance_length")) if b in match and match[b]["status"] == "ok" else ""
+               for b in batches]
+        speed = [(_fmt(match[b].get("ratio_vs_plain")) + "x") if b in match and match[b]["status"] == "ok" else ""
+                 for b in batches]
+        projected = [m["projected_speedup"] for m in match.values() if m.get("projected_speedup")]
+        proj = (f"{min(projected):.2f}x" if len(projected) == 1 or min(projected) == max(projected)
+                else f"{min(projected):.2f}-{max(projected):.2f}x") if projected else "-"
+        lines.append(f"| {pair} | {_fmt(temp, '.1f')} | {system} | {_fmt(k, 'd')} | " + " | ".join(acc) + " | "
+                     + " | ".join(speed) + f" | {proj} |")
+    return "\n".join(lines) + "\n"
+
+
 def quality_table(result: dict[str, Any]) -> str:
     """Sampled rows: mean per-sequence log-prob under the target, with and without speculation."""
     rows = [r for r in result["rows"] if r.get("status") == "ok" and r.get("quality")]
@@ -689,7 +716,8 @@ def write_outputs(result: dict[str, Any], out: Path, make_plot: bool = True) -> 
     md = out.with_suffix(".md")
     out.write_text(json.dumps(result, indent=1, default=str))
     md.write_text(f"Command: `{result['command']}`  \nCPU: {result['cpu']} x {result['cpus']}; "
-                  f"versions: {result['versions']}\n\n" + markdown_table(result)
+                  f"versions: {result['versions']}\n\n### Summary\n\n" + summary_table(result)
+                  + "\n### Every row\n\n" + markdown_table(result)
                   + ("\n### Output quality of sampled rows (mean log-prob under the target)\n\n" + quality_table(result)
                      if quality_table(result) else "")
                   + ("\n### Targets\n\n" + targets_markdown(result["targets"]) if result["targets"] else ""))
