@@ -96,13 +96,17 @@ def test_targets_are_judged_from_the_rows():
         {"pair": "q", "system": "native", "k": 2, "temperature": 0.0, "batch": 8, "status": "failed",
          "error": "AssertionError: kv cache group"},
         {**_row("usd_greedy", 1.0, k=2, acceptance_length=2.0), "pair": "q"},
+        {**_row("usd_greedy", 1.0, k=2, batch=1, acceptance_length=2.0), "pair": "q"},
+        {"pair": "q", "system": "native", "k": 2, "temperature": 0.0, "batch": 1, "status": "failed",
+         "error": "AssertionError: kv cache group"},
     ]
     checks = bench.check_targets({"rows": rows})
     by = {(c["target"], c["what"].split(":")[0]): c for c in checks}
     assert by[("vs_native", "p k=2 batch=8")]["met"] is True  # 2.4 / 2.0 = 1.2
     assert math.isclose(by[("vs_native", "p k=2 batch=8")]["value"], 1.2)
-    assert by[("vs_native", "q k=2 batch=8")]["met"] is None
-    assert "kv cache group" in by[("vs_native", "q k=2 batch=8")]["detail"]
+    assert by[("vs_native", "q")]["met"] is None
+    assert "kv cache group" in by[("vs_native", "q")]["detail"]
+    assert sum(c["target"] == "vs_native" and c["what"].startswith("q") for c in checks) == 1
     assert by[("vs_transformers", "p k=2 batch=1")]["met"] is False  # 2.2 < 2.5
     assert by[("sampled_beats_greedy", "p k=2 T=0.8 batch=8")]["met"] is True
     overhead = {c["what"].split(":")[0]: c["met"] for c in checks if c["target"] == "overhead"}
