@@ -25,6 +25,24 @@ import sys
 from pathlib import Path
 
 
+def pool_bins(counts: dict[int, int], expected: list[float], floor: float = 5.0) -> tuple[list[int], list[float]]:
+    """Chi-square bins: every token expected at least ``floor`` times gets its own bin; the rest
+    (observations on near-zero mass included) are pooled, and a pool below ``floor`` joins the
+    smallest bin. Totals are kept exactly, so no observation is dropped."""
+    n = sum(counts.values())
+    big = sorted((i for i, e in enumerate(expected) if e >= floor), key=lambda i: expected[i])
+    obs = [counts.get(i, 0) for i in big]
+    exp = [expected[i] for i in big]
+    rest_obs, rest_exp = n - sum(obs), sum(expected) - sum(exp)
+    if rest_exp >= floor or not obs:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:
+        obs[0] += rest_obs
+        exp[0] += rest_exp
+    return obs, exp
+
+
 def first_token_test(target, t_tok, drafter, d_tok, prompt: str, n: int, temperature: float, k: int,
                      assisted: bool) -> dict:
     import torch
@@ -46,20 +64,14 @@ def first_token_test(target, t_tok, drafter, d_tok, prompt: str, n: int, tempera
         with torch.inference_mode():
             out = target.generate(**enc, **kwargs)
         counts[int(out[0, start])] += 1
-    expected = p * n
-    big = [i for i in range(p.numel()) if expected[i] >= 5]
-    obs = [counts[i] for i in big]
-    exp = [float(expected[i]) for i in big]
-    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
-    if rest_exp >= 1e-6:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    scale = sum(obs) / sum(exp)  # float rounding only
-    pvalue = float(chisquare(obs, [e * scale for e in exp]).pvalue)
-    worst = max(big, key=lambda i: abs(counts[i] - float(expected[i])) / max(float(expected[i]), 1e-9) ** 0.5)
+    expected = (p.double() / p.double().sum() * n).tolist()  # totals must agree for chisquare
+    obs, exp = pool_bins(counts, expected)
+    pvalue = float(chisquare(obs, exp).pvalue) if len(obs) >= 2 else float("nan")
+    worst = max(range(len(expected)), key=lambda i: abs(counts[i] - expected[i]) / max(expected[i], 1e-9) ** 0.5
+                if expected[i] >= 5 else -1.0)
     return {"assisted": assisted, "n": n, "bins": len(obs), "chi2_p": pvalue,
             "worst_token": {"id": worst, "text": t_tok.decode([worst]), "observed": counts[worst],
-                            "expected": float(expected[worst])},
+                            "expected": expected[worst]},
             "top_observed": counts.most_common(3)}
 
 
@@ -107,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     assisted_ok = all(r["passes"] for r in results if r["assisted"])
     print(f"target alone: {'passes' if control_ok else 'FAILS'}; assisted: {'passes' if assisted_ok else 'FAILS'} "
           f"(alpha {args.alpha} per prompt)")
-    return 0
+    return 2 if not control_ok else (1 if not assisted_ok else 0)  # 2: the check itself is not to be trusted
 
 
 if __name__ == "__main__":

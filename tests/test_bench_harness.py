@@ -151,3 +151,28 @@ def test_summary_table_has_one_line_per_system_with_every_batch():
     assert lines[2].startswith("| p | 0.0 | usd_greedy | 2 | 2.50 | 2.25 | 0.50x | 0.75x |")
     assert "2.05-2.27x" in lines[2]
     assert "failed: AssertionError: group" in lines[3]
+
+
+def test_hf_rows_of_the_first_harness_leave_the_prefill_forward_out():
+    # 3 prompts x 24 tokens in 30 forwards, 3 of them prefills: 72 / 30 = 2.4 with, 69 / 27 without
+    row = _row("hf_assisted", 1.0, k=4, batch=1, acceptance_length=72 / 30, num_prompts=3)
+    bench._hf_prefill_excluded(row, max_tokens=24)
+    assert math.isclose(row["acceptance_length"], 69 / 27) and row["acceptance_length_with_prefill"] == 2.4
+    bench._hf_prefill_excluded(row, max_tokens=24)  # idempotent
+    assert math.isclose(row["acceptance_length"], 69 / 27)
+    bench._add_projection(row)
+    assert "projected_speedup" not in row  # transformers' k counts drafter tokens
+
+
+def test_targets_survive_rows_without_drafts_and_cells_escape_pipes():
+    rows = [_row("native", 1.0, k=2, acceptance_length=2.0),
+            _row("usd_greedy", 1.0, k=2, acceptance_length=None),
+            _row("usd_greedy", 1.0, k=2, batch=1, acceptance_length=None),
+            _row("hf_assisted", 1.0, k=2, batch=1, acceptance_length=2.5),
+            {"pair": "p", "system": "native", "k": 4, "temperature": 0.0, "batch": 8, "status": "failed",
+             "error": "ValueError: a | b"}]
+    assert [c["target"] for c in bench.check_targets({"rows": rows})] == []
+    table = bench.markdown_table({"rows": rows})
+    failed = next(line for line in table.splitlines() if "failed" in line)
+    assert "a \\| b" in failed
+    assert failed.replace("\\|", "").count("|") == table.splitlines()[0].count("|")

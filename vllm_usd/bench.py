@@ -368,11 +368,14 @@ def _hf_rows(pair: PairSpec, plan: BenchPlan, prompts: list[str], report: Callab
                         produced += n
                         forwards += f
                     runs.append(produced / (time.perf_counter() - start))
-                    tokens_per_call.append(produced / max(forwards, 1))
+                    # the prefill forward of each prompt yields one token and drafts nothing: leave it
+                    # out, as vLLM's 1 + accepted / drafts does
+                    tokens_per_call.append((produced - len(prompts)) / max(forwards - len(prompts), 1))
                 rows.append({"pair": pair.name, "system": system, "k": k, "temperature": temperature, "batch": 1,
                              "status": "ok", "tok_s_runs": runs, "tok_s": statistics.median(runs),
-                             # tokens per target forward: the acceptance length of assisted generation
+                             # tokens per decoding forward of the target: assisted generation's acceptance length
                              "acceptance_length": statistics.fmean(tokens_per_call) if k else None,
+                             "acceptance_excludes_prefill": True,
                              "per_position_acceptance": None, "draft_tokens_per_step": k,
                              "num_prompts": len(prompts)})
     finally:
@@ -410,6 +413,7 @@ def run_plan(plan: BenchPlan, *, command: str, progress: Callable[[str], None] |
             "plan": {**asdict(plan), "prompts": None, "num_prompts": len(plan.prompts),
                      "pairs": [asdict(p) for p in plan.pairs]},
             "engine_settings": ENGINE_SETTINGS, "rows": done,
+            "cpu_sampler_fix_in_every_engine": os.environ.get("VLLM_USD_FIX_CPU_SAMPLER", "") == "1",
         }
 
     def save() -> None:
@@ -504,6 +508,8 @@ def _add_projection(row: dict[str, Any]) -> None:
     """
     if row.get("status") != "ok" or not row.get("k") or not row.get("acceptance_length"):
         return
+    if row["system"].startswith("hf"):
+        return  # transformers' k counts drafter tokens, not target tokens
     k, length = row["k"], row["acceptance_length"]
     row["projected_speedup"] = length / (1 + k * PROJECTION_COST_RATIO)
     row["projection_cost_ratio"] = PROJECTION_COST_RATIO
@@ -525,6 +531,10 @@ def _quality(plain: list[float], spec: list[float]) -> dict[str, float]:
 
 
 # -- output -----------------------------------------------------------------------------------------
+def _cell(text: str, limit: int = 100) -> str:
+    return text[:limit].replace("|", "\\|")
+
+
 def _fmt(x: Any, spec: str = ".2f") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
@@ -538,7 +548,7 @@ def markdown_table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['pair']} | {r['system']} | {_fmt(r['k'], 'd')} | {_fmt(r['temperature'], '.1f')} "
-                         f"| {r['batch']} | failed: {r['error'][:90]} | | | | | | | | |")
+                         f"| {r['batch']} | failed: {_cell(r['error'], 90)} | | | | | | | | |")
             continue
         split = r.get("step_split")
         split_s = (f"{split['target_and_vllm']:.0%} / {split['drafter_forward']:.0%} / "
@@ -573,12 +583,12 @@ def summary_table(result: dict[str, Any]) -> str:
         if all(r["status"] != "ok" for r in match.values()):
             error = next(iter(match.values()))["error"]
             lines.append(f"| {pair} | {_fmt(temp, '.1f')} | {system} | {_fmt(k, 'd')} | "
-                         f"failed: {error[:100]} |" + " |" * (2 * len(batches)))
+                         f"failed: {_cell(error)} |" + " |" * (2 * len(batches)))
             continue
         acc = [_fmt(match[b].get("acceptance_length")) if b in match and match[b]["status"] == "ok" else ""
                for b in batches]
-        speed = [(_fmt(match[b].get("ratio_vs_plain")) + "x") if b in match and match[b]["status"] == "ok" else ""
-                 for b in batches]
+        speed = [(_fmt(match[b].get("ratio_vs_plain")) + "x") if b in match and match[b]["status"] == "ok"
+                 and match[b].get("ratio_vs_plain") is not None else "" for b in batches]
         projected = [m["projected_speedup"] for m in match.values() if m.get("projected_speedup")]
         proj = (f"{min(projected):.2f}x" if len(projected) == 1 or min(projected) == max(projected)
                 else f"{min(projected):.2f}-{max(projected):.2f}x") if projected else "-"
@@ -619,6 +629,8 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             what = f"{pair} k={usd['k']} batch={usd['batch']}: usd_greedy vs native acceptance at T=0, target >= 1.15x"
             if not native:
                 continue
+            if not usd.get("acceptance_length"):
+                continue
             if native[0]["status"] != "ok" or not native[0].get("acceptance_length"):
                 detail = f"native did not run: {native[0].get('error', 'no drafts')}"
                 if not any(c["target"] == "vs_native" and c["what"].startswith(f"{pair}:") and c["detail"] == detail
@@ -633,7 +645,7 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         # 2. acceptance >= transformers' universal assisted generation, batch 1, same prompts
         for hf in _ok(rows, pair=pair, system="hf_assisted", temperature=0.0):
             usd = _ok(rows, pair=pair, system="usd_greedy", temperature=0.0, k=hf["k"], batch=1)
-            if not usd or not hf.get("acceptance_length"):
+            if not usd or not hf.get("acceptance_length") or not usd[0].get("acceptance_length"):
                 continue
             a, b = usd[0]["acceptance_length"], hf["acceptance_length"]
             out.append({"target": "vs_transformers", "met": a >= b, "value": a / b,
@@ -670,7 +682,7 @@ def targets_markdown(checks: list[dict[str, Any]]) -> str:
         return ""
     mark = {True: "met", False: "**missed**", None: "not measurable"}
     lines = ["| check | measured | verdict |", "|---|---|---|"]
-    lines += [f"| {c['what']} | {c['detail']} | {mark[c['met']]} |" for c in checks]
+    lines += [f"| {_cell(c['what'], 200)} | {_cell(c['detail'], 200)} | {mark[c['met']]} |" for c in checks]
     return "\n".join(lines) + "\n"
 
 
@@ -711,9 +723,30 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def _hf_prefill_excluded(row: dict[str, Any], max_tokens: int) -> None:
+    """Rows of the first harness counted tokens per target forward with each prompt's prefill forward in.
+
+    Every prompt produced exactly ``max_tokens`` tokens (``min_new_tokens``), so with n prompts,
+    P = n * max_tokens tokens and F = P / L forwards: (P - n) / (F - n) leaves the prefills out.
+    """
+    if not row["system"].startswith("hf") or row.get("acceptance_excludes_prefill") or not row.get("acceptance_length"):
+        return
+    n = row.get("num_prompts") or 0
+    produced = n * max_tokens
+    forwards = produced / row["acceptance_length"]
+    if n and forwards > n:
+        row["acceptance_length_with_prefill"] = row["acceptance_length"]
+        row["acceptance_length"] = (produced - n) / (forwards - n)
+        row["acceptance_excludes_prefill"] = True
+
+
 def write_outputs(result: dict[str, Any], out: Path, make_plot: bool = True) -> dict[str, Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))  # first, whatever the report below does
+    max_tokens = (result.get("plan") or {}).get("max_tokens")
     for row in result["rows"]:  # idempotent: a JSON from an older harness gets them too
+        if max_tokens and row.get("status") == "ok":
+            _hf_prefill_excluded(row, max_tokens)
         _add_projection(row)
     result["targets"] = check_targets(result)
     md = out.with_suffix(".md")
