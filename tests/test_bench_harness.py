@@ -153,13 +153,8 @@ def test_summary_table_has_one_line_per_system_with_every_batch():
     assert "failed: AssertionError: group" in lines[3]
 
 
-def test_hf_rows_of_the_first_harness_leave_the_prefill_forward_out():
-    # 3 prompts x 24 tokens in 30 forwards, 3 of them prefills: 72 / 30 = 2.4 with, 69 / 27 without
-    row = _row("hf_assisted", 1.0, k=4, batch=1, acceptance_length=72 / 30, num_prompts=3)
-    bench._hf_prefill_excluded(row, max_tokens=24)
-    assert math.isclose(row["acceptance_length"], 69 / 27) and row["acceptance_length_with_prefill"] == 2.4
-    bench._hf_prefill_excluded(row, max_tokens=24)  # idempotent
-    assert math.isclose(row["acceptance_length"], 69 / 27)
+def test_transformers_rows_get_no_projection():
+    row = _row("hf_assisted", 1.0, k=4, batch=1, acceptance_length=2.4)
     bench._add_projection(row)
     assert "projected_speedup" not in row  # transformers' k counts drafter tokens
 

@@ -368,14 +368,13 @@ def _hf_rows(pair: PairSpec, plan: BenchPlan, prompts: list[str], report: Callab
                         produced += n
                         forwards += f
                     runs.append(produced / (time.perf_counter() - start))
-                    # the prefill forward of each prompt yields one token and drafts nothing: leave it
-                    # out, as vLLM's 1 + accepted / drafts does
-                    tokens_per_call.append((produced - len(prompts)) / max(forwards - len(prompts), 1))
+                    # assisted generation drafts before its first target forward, so every forward
+                    # (the prompt's included) verifies drafts: tokens per forward is its acceptance length
+                    tokens_per_call.append(produced / max(forwards, 1))
                 rows.append({"pair": pair.name, "system": system, "k": k, "temperature": temperature, "batch": 1,
                              "status": "ok", "tok_s_runs": runs, "tok_s": statistics.median(runs),
                              # tokens per decoding forward of the target: assisted generation's acceptance length
                              "acceptance_length": statistics.fmean(tokens_per_call) if k else None,
-                             "acceptance_excludes_prefill": True,
                              "per_position_acceptance": None, "draft_tokens_per_step": k,
                              "num_prompts": len(prompts)})
     finally:
@@ -723,30 +722,10 @@ def plot(result: dict[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-def _hf_prefill_excluded(row: dict[str, Any], max_tokens: int) -> None:
-    """Rows of the first harness counted tokens per target forward with each prompt's prefill forward in.
-
-    Every prompt produced exactly ``max_tokens`` tokens (``min_new_tokens``), so with n prompts,
-    P = n * max_tokens tokens and F = P / L forwards: (P - n) / (F - n) leaves the prefills out.
-    """
-    if not row["system"].startswith("hf") or row.get("acceptance_excludes_prefill") or not row.get("acceptance_length"):
-        return
-    n = row.get("num_prompts") or 0
-    produced = n * max_tokens
-    forwards = produced / row["acceptance_length"]
-    if n and forwards > n:
-        row["acceptance_length_with_prefill"] = row["acceptance_length"]
-        row["acceptance_length"] = (produced - n) / (forwards - n)
-        row["acceptance_excludes_prefill"] = True
-
-
 def write_outputs(result: dict[str, Any], out: Path, make_plot: bool = True) -> dict[str, Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))  # first, whatever the report below does
-    max_tokens = (result.get("plan") or {}).get("max_tokens")
     for row in result["rows"]:  # idempotent: a JSON from an older harness gets them too
-        if max_tokens and row.get("status") == "ok":
-            _hf_prefill_excluded(row, max_tokens)
         _add_projection(row)
     result["targets"] = check_targets(result)
     md = out.with_suffix(".md")
