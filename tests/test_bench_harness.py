@@ -171,3 +171,10 @@ def test_targets_survive_rows_without_drafts_and_cells_escape_pipes():
     failed = next(line for line in table.splitlines() if "failed" in line)
     assert "a \\| b" in failed
     assert failed.replace("\\|", "").count("|") == table.splitlines()[0].count("|")
+
+
+def test_cells_keep_the_root_cause_of_a_worker_failure():
+    text = ("EngineStartError: RuntimeError: Worker failed with error 'All drafting layers should belong to the "
+            "same kv cache group', please check the stack trace above for the root cause")
+    assert bench._cell(text) == "All drafting layers should belong to the same kv cache group"
+    assert bench._cell("ValueError: x") == "ValueError: x"

@@ -531,6 +531,9 @@ def _quality(plain: list[float], spec: list[float]) -> dict[str, float]:
 
 # -- output -----------------------------------------------------------------------------------------
 def _cell(text: str, limit: int = 100) -> str:
+    # "EngineStartError: RuntimeError: Worker failed with error 'X', please check ..." -> "X"
+    m = re.search(r"failed with error '(.+?)'", text)
+    text = m.group(1) if m else text
     return text[:limit].replace("|", "\\|")
 
 
