@@ -178,3 +178,23 @@ def test_cells_keep_the_root_cause_of_a_worker_failure():
             "same kv cache group', please check the stack trace above for the root cause")
     assert bench._cell(text) == "All drafting layers should belong to the same kv cache group"
     assert bench._cell("ValueError: x") == "ValueError: x"
+
+
+def test_report_replaces_the_readme_block_only(tmp_path):
+    rows = [_row("plain", 100.0), _row("usd_greedy", 50.0, k=2, acceptance_length=2.5, step_split=_split(0.03))]
+    bench._add_ratios(rows)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"command": "python run.py", "cpu": "c", "cpus": 2, "versions": {}, "rows": rows,
+                                "seconds": 600}))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\noutro\n")
+    out = subprocess.run([sys.executable, "benchmarks/report.py", str(path), "--readme", str(readme)],
+                         capture_output=True, text=True, cwd=bench.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- bench:begin -->") and text.endswith("<!-- bench:end -->\noutro\n")
+    assert "old table" not in text and "| p | 0.0 | usd_greedy | 2 | 2.50 |" in text and "10 minutes" in text
+    readme.write_text("no markers\n")
+    out = subprocess.run([sys.executable, "benchmarks/report.py", str(path), "--readme", str(readme)],
+                         capture_output=True, text=True, cwd=bench.Path(__file__).resolve().parents[1])
+    assert out.returncode == 1 and "markers" in out.stderr
