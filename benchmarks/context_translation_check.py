@@ -16,8 +16,11 @@ script takes the drafter's argmax over the shared vocabulary given
 and counts how often it equals the target's next token. It also counts the
 positions where the two contexts differ, where the drafter's own argmax over its
 whole vocabulary is a token the target does not share (TLI must draft its
-second choice there), and where the target's next token is not shared at all
-(no draft from the intersection can match it). Greedy acceptance lengths per k are
+second choice there), where the target's next token is not shared at all
+(no draft from the intersection can match it), and the share of misses where the
+drafted token and the target's token begin the same text but end in different
+places (a cut that token-by-token drafting cannot get right, and re-tokenizing
+the drafter's text can). Greedy acceptance lengths per k are
 simulated from the match runs as vLLM steps run.
 
     .venv/bin/python benchmarks/context_translation_check.py --pair gemma3-smollm2 --prompts 3 --tokens 24
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     is_shared = torch.zeros(d_vocab, dtype=torch.bool)
     is_shared[shared] = True
-    outside = {"argmax": 0, "truth": 0}
+    outside = {"argmax": 0, "truth": 0, "misses": 0, "same_text_cut_differently": 0}
 
     def drafted(draft_ids: list[int], count: bool = False) -> int:
         logits = drafter(torch.tensor([draft_ids])).logits[0, -1]  # [drafter vocab]
@@ -93,7 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                 positions += 1
                 truth = ids[pos]
                 outside["truth"] += int(mapping.target_to_draft[truth]) < 0  # no intersection draft can match
-                run["translated"].append(drafted(translated, count=True) == truth)
+                guess = drafted(translated, count=True)
+                run["translated"].append(guess == truth)
+                if guess != truth:  # a miss: is the drafted text a prefix of the target's token, or longer?
+                    outside["misses"] += 1
+                    g_bytes = mapping.target_table.token_bytes[guess]
+                    t_bytes = mapping.target_table.token_bytes[truth]
+                    cut = g_bytes and t_bytes and (t_bytes.startswith(g_bytes) or g_bytes.startswith(t_bytes))
+                    outside["same_text_cut_differently"] += bool(cut)
                 run["canonical"].append(drafted(canonical) == truth if canonical != translated
                                         else run["translated"][-1])
             for key in runs:
@@ -106,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"pair": args.pair, "prompts": args.prompts, "tokens": args.tokens, "positions": positions,
               "contexts_differ_share": differ / max(positions, 1),
               "drafter_argmax_outside_intersection_share": outside["argmax"] / max(positions, 1),
-              "target_token_outside_intersection_share": outside["truth"] / max(positions, 1)}
+              "target_token_outside_intersection_share": outside["truth"] / max(positions, 1),
+              # misses where the draft and the target's token start the same text but end elsewhere
+              "misses_cut_differently_share": outside["same_text_cut_differently"] / max(outside["misses"], 1)}
     for key in runs:
         flat = [x for r in runs[key] for x in r]
         result[key] = {"match_rate": sum(flat) / max(len(flat), 1),

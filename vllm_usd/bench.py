@@ -279,7 +279,9 @@ def _run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, m
                  usd: bool, want_logprobs: bool) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+    # EOS masked until max_tokens, as transformers' min_new_tokens does: every system writes the same
+    # text (ignore_eos alone would let the target emit EOS and go on past it)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
                             logprobs=0 if want_logprobs else None)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     llm.generate(groups[0][: max(1, min(batch, 2))], params, use_tqdm=False)  # warm-up
@@ -558,7 +560,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         pos = r.get("per_position_acceptance")
         pos_s = " ".join(f"{p:.2f}" for p in pos) if pos else "-"
         ratio = r.get("ratio_vs_plain")
-        if r["system"].startswith("hf"):
+        if r["system"].startswith("hf") and r.get("ratio_vs_hf_plain") is not None:
             ratio_s = f"{_fmt(ratio)}x (HF: {_fmt(r.get('ratio_vs_hf_plain'))}x)"
         else:
             ratio_s = f"{_fmt(ratio)}x"
