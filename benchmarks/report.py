@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/report.py benchmarks/results/2026-11-30-myhost.json
     .venv/bin/python benchmarks/report.py benchmarks/results/2026-11-30-myhost.json --readme README.md
 
-With ``--readme``, the summary and target tables in the README, between the
+With ``--readme``, the summary table in the README, between the
 ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` markers, are replaced with
 the ones of this JSON.
 """
@@ -19,7 +19,7 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
 def readme_block(result: dict, json_path: Path, readme: Path) -> str:
-    from vllm_usd.bench import summary_table, targets_markdown
+    from vllm_usd.bench import summary_table
 
     rel = Path(json_path).resolve().relative_to(readme.resolve().parent)
     minutes = result.get("seconds", 0) / 60
@@ -28,8 +28,7 @@ def readme_block(result: dict, json_path: Path, readme: Path) -> str:
             f"{minutes:.0f} minutes on {result.get('cpu', '?')} x {result.get('cpus', '?')}:\n"
             f"`{result['command']}`\n\n"
             + summary_table(result)
-            + "\nThe targets of the benchmark, judged from the same JSON:\n\n"
-            + targets_markdown(result.get("targets") or [])
+            + f"\nEvery row, the sampled-quality check and the target verdicts: `{rel.with_suffix('.md')}`.\n"
             + f"{END}")
 
 
