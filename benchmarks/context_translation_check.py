@@ -47,20 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.run import pair_specs
-    from vllm_usd.acceptance import _simulate_greedy
+    from vllm_usd.acceptance import _simulate_greedy, translation_parts
     from vllm_usd.bench import load_prompts
-    from vllm_usd.vocab import ContextTranslator, FragmentEncoder, VocabMapping
+    from vllm_usd.vocab import ContextTranslator
 
     pair = pair_specs([args.pair])[0]
     t_tok, d_tok = AutoTokenizer.from_pretrained(pair.target), AutoTokenizer.from_pretrained(pair.drafter)
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
     drafter = AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
-    t_vocab = target.get_output_embeddings().weight.shape[0]
-    d_vocab = drafter.get_output_embeddings().weight.shape[0]
-    mapping = VocabMapping.build(t_tok, d_tok, t_vocab, d_vocab, min_share=0.0)
-    encoder = FragmentEncoder(d_tok, mapping.draft_table)
-    bos = d_tok.bos_token_id
-    bos = bos if bos is not None and d_tok("a").input_ids[:1] == [bos] else None
+    mapping, encoder, bos = translation_parts(target, t_tok, drafter, d_tok)
+    d_vocab = mapping.draft_vocab_size
     shared = mapping.draft_ids  # [n] drafter ids of the intersection
 
     is_shared = torch.zeros(d_vocab, dtype=torch.bool)
