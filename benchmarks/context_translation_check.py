@@ -29,7 +29,6 @@ simulated from the match runs as vLLM steps run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -47,15 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.run import pair_specs
-    from vllm_usd.acceptance import _simulate_greedy, translation_parts
+    from benchmarks.script_io import emit
+    from vllm_usd.analysis.acceptance import _simulate_greedy
     from vllm_usd.bench import load_prompts
-    from vllm_usd.vocab import ContextTranslator
+    from vllm_usd.core import DraftPair
 
     pair = pair_specs([args.pair])[0]
     t_tok, d_tok = AutoTokenizer.from_pretrained(pair.target), AutoTokenizer.from_pretrained(pair.drafter)
     target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).eval()
     drafter = AutoModelForCausalLM.from_pretrained(pair.drafter, dtype=torch.float32).eval()
-    mapping, encoder, bos = translation_parts(target, t_tok, drafter, d_tok)
+    draft_pair = DraftPair.for_models(target, t_tok, drafter, d_tok)
+    mapping, bos = draft_pair.mapping, draft_pair.draft_bos
     d_vocab = mapping.draft_vocab_size
     shared = mapping.draft_ids  # [n] drafter ids of the intersection
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                   pad_token_id=t_tok.eos_token_id if t_tok.pad_token_id is None else t_tok.pad_token_id)
             ids = out[0].tolist()
             start = enc.input_ids.shape[1]
-            translator = ContextTranslator(mapping, encoder, bos)
+            translator = draft_pair.translator()
             translator.start(ids[:start])
             run = {"translated": [], "canonical": []}
             for pos in range(start, len(ids)):
@@ -119,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         flat = [x for r in runs[key] for x in r]
         result[key] = {"match_rate": sum(flat) / max(len(flat), 1),
                        "greedy_length": {k: length(key, k) for k in (2, 4)}}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ prompts and settings as the benchmark's batch-1 transformers rows (T=0).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.generation import candidate_generator as cg
 
     from benchmarks.run import pair_specs
+    from benchmarks.script_io import emit
     from vllm_usd.bench import load_prompts
 
     pair = pair_specs([args.pair])[0]
@@ -72,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             calls += forwards["n"]
         result["by_k"][k] = {"target_tokens_proposed_per_step": statistics.fmean(proposed) if proposed else 0.0,
                              "steps": len(proposed), "tokens_per_target_forward": produced / max(calls, 1)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def compare(target_path: str, drafter_path: str, texts: list[str]) -> dict:
     from transformers import AutoConfig, AutoTokenizer
     from vllm.v1.spec_decode.vocab_mapping import VocabMapping as NativeMapping
 
-    from vllm_usd.vocab import VocabMapping
-    from vllm_usd.vocab.token_bytes import build_token_table
+    from vllm_usd.core import VocabMapping
+    from vllm_usd.core.token_bytes import build_token_table
 
     t_tok, d_tok = AutoTokenizer.from_pretrained(target_path), AutoTokenizer.from_pretrained(drafter_path)
 

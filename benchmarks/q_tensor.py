@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from vllm_usd.vocab import DraftProbsBuffer
+from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
 
 def _time(fn, repeat: int = 20) -> float:

@@ -53,7 +53,7 @@ def _counters(llm) -> dict[str, float]:
 
 def _proposer_timings(llm) -> dict[str, float]:
     """Seconds spent in each proposer phase, and outside it, in the worker (usd.profile)."""
-    from vllm_usd.debug import proposer_stats
+    from vllm_usd.vllm_adapter.debug import proposer_stats
 
     (stats,) = llm.collective_rpc(proposer_stats)
     return dict(stats["timings"])
@@ -95,7 +95,8 @@ def main() -> None:
 
     import vllm
     import vllm_usd
-    from vllm_usd.fixtures.real_pair import ensure_real_pair
+    from vllm_usd.demo_pair import ensure_real_pair
+    from vllm_usd.vllm_adapter.compat import shutdown_engine
 
     pair = ensure_real_pair()
     target, drafter = (pair["smollm2"], pair["gemma3"]) if args.reverse else (pair["gemma3"], pair["smollm2"])
@@ -115,7 +116,7 @@ def main() -> None:
             if spec:
                 after = _proposer_timings(llm)
                 profile[name] = {key: after[key] - before.get(key, 0.0) for key in after}
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_engine(llm)
         del llm
 
     base, usd = results["target alone"], results[f"vllm-usd k={args.k}"]

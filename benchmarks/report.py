@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.targets
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -33,6 +35,7 @@ def readme_block(result: dict, json_path: Path, readme: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.targets import judge
     from vllm_usd.bench import write_outputs
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, help="replace the tables between the bench markers in this file")
     args = parser.parse_args(argv)
     result = json.loads(args.json.read_text())
-    paths = write_outputs(result, args.json)
+    paths = write_outputs(result, args.json, judge=judge)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     if args.readme:
         text = args.readme.read_text()

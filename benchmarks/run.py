@@ -6,7 +6,7 @@
 
 Writes benchmarks/results/<date>-<host>.json, and .md (table) and .png (plot)
 next to it; `benchmarks/report.py FILE.json` regenerates those two from the JSON.
-See vllm_usd/bench.py for what each system and column means.
+See vllm_usd/bench/ for what each system and column means; benchmarks/targets.py judges the results.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import socket
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures (the tiny pair), benchmarks.targets
+
 PAIRS = ("gemma3-smollm2", "smollm2-gemma3", "tiny")
 
 
@@ -26,7 +28,7 @@ def pair_specs(names: list[str]):
 
     specs = []
     if any(n != "tiny" for n in names):
-        from vllm_usd.fixtures.real_pair import ensure_real_pair
+        from vllm_usd.demo_pair import ensure_real_pair
 
         real = ensure_real_pair()
     for name in names:
@@ -35,7 +37,7 @@ def pair_specs(names: list[str]):
         elif name == "smollm2-gemma3":
             specs.append(PairSpec(name, target=real["smollm2"], drafter=real["gemma3"]))
         elif name == "tiny":
-            from vllm_usd.fixtures import tiny
+            from tests.fixtures import tiny
 
             target, drafter = tiny.build_distribution_pair()
             specs.append(PairSpec(name, target=target, drafter=drafter))
@@ -45,6 +47,7 @@ def pair_specs(names: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.targets import judge
     from vllm_usd.bench import ALL_SYSTEMS, BenchPlan, load_prompts, markdown_table, run_plan, write_outputs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_plan(plan, command=" ".join([Path(sys.executable).name, *sys.argv]), checkpoint=checkpoint)
     result["prompts"] = meta
     out.with_suffix(".partial.json").unlink(missing_ok=True)
-    paths = write_outputs(result, out)
+    paths = write_outputs(result, out, judge=judge)
     print(markdown_table(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -68,10 +68,12 @@ def _free_port() -> int:
 def offline_reference(target: str, reqs: list[dict[str, Any]], max_model_len: int) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
+    from vllm_usd.vllm_adapter.compat import shutdown_engine
+
     llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=0)
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
     out = [list(o.outputs[0].token_ids) for o in llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)]
-    llm.llm_engine.engine_core.shutdown()
+    shutdown_engine(llm)
     del llm
     return out
 
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.target is None or args.drafter is None:
-        from vllm_usd.fixtures.real_pair import ensure_real_pair
+        from vllm_usd.demo_pair import ensure_real_pair
 
         pair = ensure_real_pair()
         args.target = args.target or pair["gemma3"]
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "vllm_usd.cli", "serve", args.target, "--drafter", args.drafter, "-k", str(args.k),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.streams), "--seed", "0",
-           "--worker-extension-cls", "vllm_usd.debug.ProposerStatsExtension"]
+           "--worker-extension-cls", "vllm_usd.vllm_adapter.debug.ProposerStatsExtension"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     report: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args) | {

@@ -2,7 +2,7 @@
 
 Default pair: Gemma-3-270m (target, SentencePiece, 262k vocab) drafted by
 SmolLM2-135M-Instruct (byte-level BPE, 49k vocab), both converted from GGUF
-files shipped on PyPI (see vllm_usd/fixtures/real_pair.py).
+files shipped on PyPI (see vllm_usd/demo_pair.py).
 
     bash scripts/demo.sh                 # the README's main command
     bash scripts/demo.sh -k 4 --temperature 0.8
@@ -29,6 +29,8 @@ PROMPTS = [
 def _run(model: str, prompts: list[str], params, spec: dict | None, max_model_len: int):
     from vllm import LLM
 
+    from vllm_usd.vllm_adapter.compat import shutdown_engine
+
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
               max_num_seqs=len(prompts), disable_log_stats=False, seed=0, **(spec or {}))
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
@@ -36,7 +38,7 @@ def _run(model: str, prompts: list[str], params, spec: dict | None, max_model_le
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    llm.llm_engine.engine_core.shutdown()
+    shutdown_engine(llm)
     del llm
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     drafts = counters.get("vllm:spec_decode_num_drafts") or 0
@@ -59,7 +61,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     import vllm_usd
-    from vllm_usd.fixtures.real_pair import ensure_real_pair
+    from vllm_usd.demo_pair import ensure_real_pair
 
     if args.target is None or args.drafter is None:
         print("[demo] fetching and converting the real model pair (cached after the first run) ...", flush=True)

@@ -23,7 +23,7 @@ def main() -> None:
     import vllm_usd
 
     if not (args.target and args.drafter):
-        from vllm_usd.fixtures.real_pair import ensure_real_pair
+        from vllm_usd.demo_pair import ensure_real_pair
 
         pair = ensure_real_pair()
         args.target, args.drafter = pair["gemma3"], pair["smollm2"]

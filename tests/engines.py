@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from pathlib import Path
 from typing import Any, Iterator
+
+REPO = str(Path(__file__).resolve().parents[1])
 
 ENGINE_DEFAULTS: dict[str, Any] = dict(
     dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=64,
@@ -15,20 +18,27 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
 
 @contextlib.contextmanager
 def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str, str] | None = None,
-           usd: dict[str, Any] | None = None, **kwargs: Any) -> Iterator[Any]:
-    """An ``LLM`` for ``model``, with vllm-usd drafting from ``drafter`` if given."""
+           usd: dict[str, Any] | None = None, proposer: type | None = None, **kwargs: Any) -> Iterator[Any]:
+    """An ``LLM`` for ``model``, with vllm-usd drafting from ``drafter`` if given.
+
+    ``proposer``: a class from tests.faults to use instead of vllm_usd.UniversalProposer.
+    """
     from vllm import LLM
 
     import vllm_usd
+    from vllm_usd.vllm_adapter.compat import shutdown_engine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # lets llm.collective_rpc(vllm_usd.debug.proposer_stats) send a function to the worker
+    # lets llm.collective_rpc(vllm_usd.vllm_adapter.debug.proposer_stats) send a function to the worker
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    saved = {key: os.environ.get(key) for key in (env or {})}
-    os.environ.update(env or {})
     args = {**ENGINE_DEFAULTS, **kwargs}
     if drafter is not None:
         args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **(usd or {})))
+    if proposer is not None:  # the engine's processes import it by name
+        args["speculative_config"]["model"] = f"{proposer.__module__}.{proposer.__qualname__}"
+        env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    saved = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update(env or {})
     llm = LLM(model=model, **args)
     try:
         yield llm
@@ -38,15 +48,14 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
+        shutdown_engine(llm)
         del llm
         gc.collect()
 
 
 def spec_counts(llm: Any) -> dict[str, Any]:
     """vLLM's own spec-decode counters: drafts, draft tokens, accepted, per position."""
-    from vllm_usd.bench import spec_counters
+    from vllm_usd.bench.vllm_systems import spec_counters
 
     out = spec_counters(llm)
     out["acceptance_length"] = 1 + out["accepted"] / out["drafts"] if out["drafts"] else 1.0
@@ -59,7 +68,7 @@ def token_ids(outputs: Any) -> list[list[int]]:
 
 def proposer_stats(llm: Any) -> dict[str, Any]:
     """The vllm-usd proposer's counters and live state, from the (single) worker."""
-    from vllm_usd.debug import proposer_stats as read
+    from vllm_usd.vllm_adapter.debug import proposer_stats as read
 
     (stats,) = llm.collective_rpc(read)
     return stats

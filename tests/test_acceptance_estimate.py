@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_usd.acceptance import _expected_sampled, _simulate_greedy, estimate_acceptance
+from vllm_usd.analysis.acceptance import _expected_sampled, _simulate_greedy, estimate_acceptance
 
 
 def test_greedy_simulation_counts_engine_steps():
@@ -25,8 +25,8 @@ def test_distribution_pair_estimate_is_high_and_k_grows_it():
     """The distribution pair's drafter is the target's own network: most drafts match."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_usd.drafter.hf_runtime import load_drafter
-    from vllm_usd.fixtures import tiny
+    from vllm_usd.drafter import load_drafter
+    from tests.fixtures import tiny
 
     target_dir, drafter_dir = tiny.build_distribution_pair()
     t_tok = AutoTokenizer.from_pretrained(target_dir)

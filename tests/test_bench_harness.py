@@ -1,4 +1,4 @@
-"""vllm_usd.bench without an engine: prompts, ratios, the engine-log root cause, the table."""
+"""vllm_usd.bench without an engine: prompts, ratios, the engine-log root cause, the tables, the targets."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import sys
 
 import pytest
 
-from vllm_usd import bench
+from pathlib import Path
+
+from benchmarks import targets
+from vllm_usd.bench import metrics, plan, report, vllm_systems
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_builtin_prompts_are_64_in_three_groups_interleaved():
-    prompts, meta = bench.load_prompts()
+    prompts, meta = plan.load_prompts()
     assert len(prompts) == 64 and meta["version"] == 1 and "CC0" in meta["source"]
     groups = [p["group"] for p in prompts]
     assert {g: groups.count(g) for g in set(groups)} == {"chat": 24, "code": 20, "summarise": 20}
@@ -24,14 +29,14 @@ def test_builtin_prompts_are_64_in_three_groups_interleaved():
 def test_user_prompt_files(tmp_path):
     lines = tmp_path / "p.txt"
     lines.write_text("first prompt\n\n42\nthird\n")
-    assert [p["text"] for p in bench.load_prompts(lines)[0]] == ["first prompt", "42", "third"]
+    assert [p["text"] for p in plan.load_prompts(lines)[0]] == ["first prompt", "42", "third"]
     js = tmp_path / "p.json"
     js.write_text(json.dumps(["a", "b"]))
-    assert [p["text"] for p in bench.load_prompts(js)[0]] == ["a", "b"]
+    assert [p["text"] for p in plan.load_prompts(js)[0]] == ["a", "b"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"prompts": ["a"]}))
     with pytest.raises(ValueError, match="expected a JSON list of strings"):
-        bench.load_prompts(bad)
+        plan.load_prompts(bad)
 
 
 def test_root_cause_is_read_from_the_engine_log(tmp_path):
@@ -39,11 +44,11 @@ def test_root_cause_is_read_from_the_engine_log(tmp_path):
     code = ("import sys; print('(Worker) ERROR AssertionError: All drafting layers should belong to the same "
             "kv cache group', file=sys.stderr); print('RuntimeError: Engine core initialization failed. See root "
             "cause above.', file=sys.stderr)")
-    with bench._stderr_copied_to(log):
+    with vllm_systems.stderr_copied_to(log):
         subprocess.run([sys.executable, "-c", code], check=True)
     text = log.read_text()
-    assert bench._root_cause(text) == "AssertionError: All drafting layers should belong to the same kv cache group"
-    assert bench._root_cause("nothing went wrong") is None
+    assert vllm_systems.root_cause(text) == "AssertionError: All drafting layers should belong to the same kv cache group"
+    assert vllm_systems.root_cause("nothing went wrong") is None
 
 
 def _row(system, tok_s, k=None, temperature=0.0, batch=8, **extra):
@@ -59,27 +64,27 @@ def test_ratios_equality_and_quality_against_the_target_alone():
             _row("usd_sampled", 40.0, k=2, temperature=0.8, mean_logprob_per_seq=[-1.1, -1.0, -0.95, -1.05]),
             {"pair": "p", "system": "native", "k": 4, "temperature": 0.0, "batch": 8, "status": "failed",
              "error": "AssertionError: x"}]
-    bench._add_ratios(rows)
+    metrics.add_ratios(rows)
     assert rows[1]["ratio_vs_plain"] == 0.5 and rows[1]["greedy_equal_plain"] is True
     assert rows[2]["greedy_equal_plain"] is False
     q = rows[4]["quality"]
     assert math.isclose(q["plain_mean_logprob"], -1.05) and 0 <= q["mannwhitney_p"] <= 1
     assert all("greedy_outputs" not in r for r in rows)
-    table = bench.markdown_table({"rows": rows})
+    table = report.markdown_table({"rows": rows})
     assert "| p | usd_greedy | 2 | 0.0 | 8 |" in table and "0.50x" in table and "failed: AssertionError: x" in table
 
 
-def _split(overhead):
+def _step_split(overhead):
     return {"target_and_vllm": 0.6, "drafter_forward": 0.4 - overhead, "proposer_overhead": overhead}
 
 
 def test_projection_uses_the_measured_acceptance_and_k():
-    row = _row("usd_greedy", 10.0, k=4, acceptance_length=2.4, step_split=_split(0.0))
-    bench._add_projection(row)
-    assert math.isclose(row["projected_speedup"], 2.4 / (1 + 4 * bench.PROJECTION_COST_RATIO))
+    row = _row("usd_greedy", 10.0, k=4, acceptance_length=2.4, step_split=_step_split(0.0))
+    metrics.add_projection(row)
+    assert math.isclose(row["projected_speedup"], 2.4 / (1 + 4 * metrics.PROJECTION_COST_RATIO))
     assert math.isclose(row["measured_cost_ratio"], 0.4 / (4 * 0.6))
     plain = _row("plain", 10.0)
-    bench._add_projection(plain)
+    metrics.add_projection(plain)
     assert "projected_speedup" not in plain
 
 
@@ -87,9 +92,9 @@ def test_targets_are_judged_from_the_rows():
     rows = [
         # tiny-like pair: native runs
         _row("native", 1.0, k=2, acceptance_length=2.0),
-        _row("usd_greedy", 1.0, k=2, acceptance_length=2.4, step_split=_split(0.04)),
-        _row("usd_greedy", 1.0, k=2, acceptance_length=1.5, temperature=0.8, step_split=_split(0.12)),
-        _row("usd_sampled", 1.0, k=2, acceptance_length=1.9, temperature=0.8, step_split=_split(0.05)),
+        _row("usd_greedy", 1.0, k=2, acceptance_length=2.4, step_split=_step_split(0.04)),
+        _row("usd_greedy", 1.0, k=2, acceptance_length=1.5, temperature=0.8, step_split=_step_split(0.12)),
+        _row("usd_sampled", 1.0, k=2, acceptance_length=1.9, temperature=0.8, step_split=_step_split(0.05)),
         _row("usd_greedy", 1.0, k=2, batch=1, acceptance_length=2.2),
         _row("hf_assisted", 1.0, k=2, batch=1, acceptance_length=2.5),
         # real-like pair: native cannot start
@@ -100,7 +105,7 @@ def test_targets_are_judged_from_the_rows():
         {"pair": "q", "system": "native", "k": 2, "temperature": 0.0, "batch": 1, "status": "failed",
          "error": "AssertionError: kv cache group"},
     ]
-    checks = bench.check_targets({"rows": rows})
+    checks = targets.check_targets({"rows": rows})
     by = {(c["target"], c["what"].split(":")[0]): c for c in checks}
     assert by[("vs_native", "p k=2 batch=8")]["met"] is True  # 2.4 / 2.0 = 1.2
     assert math.isclose(by[("vs_native", "p k=2 batch=8")]["value"], 1.2)
@@ -112,14 +117,14 @@ def test_targets_are_judged_from_the_rows():
     overhead = {c["what"].split(":")[0]: c["met"] for c in checks if c["target"] == "overhead"}
     assert overhead == {"p usd_greedy k=2 T=0.0 batch=8": True, "p usd_greedy k=2 T=0.8 batch=8": False,
                         "p usd_sampled k=2 T=0.8 batch=8": True}
-    text = bench.targets_markdown(checks)
+    text = targets.targets_markdown(checks)
     assert "**missed**" in text and "not measurable" in text
 
 
 def test_report_regenerates_table_projection_and_targets_from_json(tmp_path):
     rows = [_row("plain", 100.0, greedy_outputs=[[1]]),
-            _row("usd_greedy", 50.0, k=2, acceptance_length=2.5, greedy_outputs=[[1]], step_split=_split(0.03))]
-    bench._add_ratios(rows)
+            _row("usd_greedy", 50.0, k=2, acceptance_length=2.5, greedy_outputs=[[1]], step_split=_step_split(0.03))]
+    metrics.add_ratios(rows)
     for r in rows:  # as an older harness wrote them
         r.pop("projected_speedup", None)
         r.pop("measured_cost_ratio", None)
@@ -127,7 +132,7 @@ def test_report_regenerates_table_projection_and_targets_from_json(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
     out = subprocess.run([sys.executable, "benchmarks/report.py", str(path)], capture_output=True, text=True,
-                         cwd=bench.Path(__file__).resolve().parents[1])
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr
     saved = json.loads(path.read_text())
     assert math.isclose(saved["rows"][1]["projected_speedup"], 2.5 / 1.1)
@@ -145,8 +150,8 @@ def test_summary_table_has_one_line_per_system_with_every_batch():
              "error": "AssertionError: group"},
             {"pair": "p", "system": "native", "k": 2, "temperature": 0.0, "batch": 8, "status": "failed",
              "error": "AssertionError: group"}]
-    bench._add_ratios(rows)
-    lines = bench.summary_table({"rows": rows}).splitlines()
+    metrics.add_ratios(rows)
+    lines = report.summary_table({"rows": rows}).splitlines()
     assert len(lines) == 4  # header, rule, usd_greedy, native
     assert lines[2].startswith("| p | 0.0 | usd_greedy | 2 | 2.50 | 2.25 | 0.50x | 0.75x |")
     assert "2.05-2.27x" in lines[2]
@@ -155,7 +160,7 @@ def test_summary_table_has_one_line_per_system_with_every_batch():
 
 def test_transformers_rows_get_no_projection():
     row = _row("hf_assisted", 1.0, k=4, batch=1, acceptance_length=2.4)
-    bench._add_projection(row)
+    metrics.add_projection(row)
     assert "projected_speedup" not in row  # transformers' k counts drafter tokens
 
 
@@ -166,8 +171,8 @@ def test_targets_survive_rows_without_drafts_and_cells_escape_pipes():
             _row("hf_assisted", 1.0, k=2, batch=1, acceptance_length=2.5),
             {"pair": "p", "system": "native", "k": 4, "temperature": 0.0, "batch": 8, "status": "failed",
              "error": "ValueError: a | b"}]
-    assert [c["target"] for c in bench.check_targets({"rows": rows})] == []
-    table = bench.markdown_table({"rows": rows})
+    assert [c["target"] for c in targets.check_targets({"rows": rows})] == []
+    table = report.markdown_table({"rows": rows})
     failed = next(line for line in table.splitlines() if "failed" in line)
     assert "a \\| b" in failed
     assert failed.replace("\\|", "").count("|") == table.splitlines()[0].count("|")
@@ -176,25 +181,34 @@ def test_targets_survive_rows_without_drafts_and_cells_escape_pipes():
 def test_cells_keep_the_root_cause_of_a_worker_failure():
     text = ("EngineStartError: RuntimeError: Worker failed with error 'All drafting layers should belong to the "
             "same kv cache group', please check the stack trace above for the root cause")
-    assert bench._cell(text) == "All drafting layers should belong to the same kv cache group"
-    assert bench._cell("ValueError: x") == "ValueError: x"
+    assert report.cell(text) == "All drafting layers should belong to the same kv cache group"
+    assert report.cell("ValueError: x") == "ValueError: x"
 
 
 def test_report_replaces_the_readme_block_only(tmp_path):
-    rows = [_row("plain", 100.0), _row("usd_greedy", 50.0, k=2, acceptance_length=2.5, step_split=_split(0.03))]
-    bench._add_ratios(rows)
+    rows = [_row("plain", 100.0), _row("usd_greedy", 50.0, k=2, acceptance_length=2.5, step_split=_step_split(0.03))]
+    metrics.add_ratios(rows)
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"command": "python run.py", "cpu": "c", "cpus": 2, "versions": {}, "rows": rows,
                                 "seconds": 600}))
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\noutro\n")
     out = subprocess.run([sys.executable, "benchmarks/report.py", str(path), "--readme", str(readme)],
-                         capture_output=True, text=True, cwd=bench.Path(__file__).resolve().parents[1])
+                         capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
     text = readme.read_text()
     assert text.startswith("intro\n<!-- bench:begin -->") and text.endswith("<!-- bench:end -->\noutro\n")
     assert "old table" not in text and "| p | 0.0 | usd_greedy | 2 | 2.50 |" in text and "10 minutes" in text
     readme.write_text("no markers\n")
     out = subprocess.run([sys.executable, "benchmarks/report.py", str(path), "--readme", str(readme)],
-                         capture_output=True, text=True, cwd=bench.Path(__file__).resolve().parents[1])
+                         capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 1 and "markers" in out.stderr
+
+
+def test_settings_are_counted_as_the_runner_reports_them():
+    """The CLI's progress bar totals count_settings(plan) and advances on each "setting" event."""
+    p = plan.BenchPlan(pairs=[plan.PairSpec("a", "t", "d"), plan.PairSpec("b", "t", "d")],
+                       systems=("plain", "usd_greedy", "usd_sampled", "hf_assisted"), ks=(2, 4),
+                       temperatures=(0.0, 0.8), batch_sizes=(1, 8))
+    # per pair: plain 2 T x 2 b; usd_greedy 2 k x 2 T x 2 b; usd_sampled 2 k x 1 T x 2 b; hf_assisted 2 k x 2 T
+    assert plan.count_settings(p) == 2 * (4 + 8 + 4 + 4)

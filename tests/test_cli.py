@@ -10,8 +10,8 @@ import sys
 from transformers import AutoTokenizer
 
 from vllm_usd.cli import main
-from vllm_usd.fixtures import tiny
-from vllm_usd.vocab import VocabMapping
+from tests.fixtures import tiny
+from vllm_usd.core import VocabMapping
 
 SCHEMA = {"target", "drafter", "intersection", "intersection_share_of_target", "intersection_share_of_drafter",
           "byte_only_matches", "text_tokens", "text_tokens_shared", "text_share_shared", "text_share_retokenized",

@@ -45,7 +45,7 @@ def test_bad_num_speculative_tokens(k):
 
 def test_proposer_startup_errors(tmp_path):
     from vllm_usd import UniversalProposer
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     target, drafter = tiny.tiny_pair("bpe", "sp")
     proposer = UniversalProposer(_vllm_config(target, {"drafter": drafter}))
@@ -75,7 +75,7 @@ def test_proposer_startup_errors(tmp_path):
 
 def test_custom_code_drafter_is_refused_without_trust_remote_code(tmp_path):
     """vllm-usd never turns trust_remote_code on by itself."""
-    from vllm_usd.drafter.hf_runtime import DrafterLoadError, load_drafter
+    from vllm_usd.drafter import DrafterLoadError, load_drafter
 
     (tmp_path / "config.json").write_text(
         '{"model_type": "my_custom_lm", "auto_map": {"AutoConfig": "configuration_my.MyConfig", '

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_usd.vocab import ContextTranslator, FragmentEncoder, VocabMapping
+from vllm_usd.core import ContextTranslator, FragmentEncoder, VocabMapping
 
 PAIRS = [("bpe", "sp"), ("sp", "bpe")]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_usd.vocab import DraftSamplingParams, draft_distribution, sample_drafts
+from vllm_usd.core import DraftSamplingParams, draft_distribution, sample_drafts
 
 
 def _reference_q(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -108,7 +108,7 @@ def test_seeded_rows_reproduce_and_are_independent_of_the_batch():
 
 def test_scatter_keeps_q_on_the_right_target_ids():
     """q over the intersection, scattered to target order, puts each mass on its mapped id."""
-    from vllm_usd.vocab import VocabMapping
+    from vllm_usd.core import VocabMapping
     from tests.test_vocab_mapping import _word_level
 
     target = _word_level(["c", "a", "b", "zz"])
@@ -120,7 +120,7 @@ def test_scatter_keeps_q_on_the_right_target_ids():
 
 
 def test_draft_probs_buffer_rows_follow_the_batch_and_stay_zero_elsewhere():
-    from vllm_usd.vocab import DraftProbsBuffer
+    from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
     target_ids = torch.tensor([5, 1, 7])  # intersection, in draft_ids order
     buf = DraftProbsBuffer(k=2, target_vocab_size=10, target_ids=target_ids)
@@ -146,9 +146,9 @@ def test_request_keys_are_stable_across_processes():
     import subprocess
     import sys
 
-    from vllm_usd.vocab.sampling import mix_seed, text_key
+    from vllm_usd.core.seeding import mix_seed, text_key
 
-    code = "from vllm_usd.vocab.sampling import text_key, mix_seed; print(text_key('req-17'), mix_seed(3, 5))"
+    code = "from vllm_usd.core.seeding import text_key, mix_seed; print(text_key('req-17'), mix_seed(3, 5))"
     seen = set()
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
@@ -161,7 +161,7 @@ def test_request_keys_are_stable_across_processes():
 
 
 def test_position_generators_seed_by_row_key_and_position():
-    from vllm_usd.vocab.sampling import position_generators
+    from vllm_usd.core.seeding import position_generators
 
     def draws(keys, positions, seeded, salt=0):
         rows, shared = position_generators(keys, positions, seeded, salt)

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from vllm_usd.drafter.hf_runtime import HFDrafterRuntime, load_drafter
+from vllm_usd.drafter import HFDrafterRuntime, load_drafter
 
 
 def _save(model) -> str:
@@ -44,9 +44,9 @@ def _reference_logits(ref, ids: list[int]) -> torch.Tensor:
 def _runtime(ref, tokenizer_free_folder: str, **kw) -> HFDrafterRuntime:
     from transformers import AutoModelForCausalLM
 
-    from vllm_usd.drafter.hf_runtime import ATTN_NAME, _register_attention
+    from vllm_usd.drafter.attention import ATTN_NAME, register_attention
 
-    _register_attention()
+    register_attention()
     model = AutoModelForCausalLM.from_pretrained(tokenizer_free_folder, attn_implementation=ATTN_NAME).eval()
     return HFDrafterRuntime(model, max_len=kw.get("max_len", 512), max_requests=kw.get("max_requests", 8),
                             kv_budget_bytes=kw.get("budget", 1 << 30))
@@ -123,7 +123,7 @@ def test_budget_limits_requests_instead_of_failing():
 
 
 def test_load_errors_are_clear(tmp_path):
-    from vllm_usd.drafter.hf_runtime import DrafterLoadError
+    from vllm_usd.drafter import DrafterLoadError
 
     with pytest.raises(DrafterLoadError, match="drafter folder not found"):
         load_drafter(str(tmp_path / "missing" / "model"))

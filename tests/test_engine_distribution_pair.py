@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engines import engine, proposer_stats, spec_counts, token_ids
+from tests.faults import NoCpuFixProposer, OmitQProposer, ScrambleQProposer
 from tests.prompts import LOWERCASE
 from tests.stats import homogeneity_pvalue
 
@@ -33,7 +34,7 @@ SETTINGS = {"t1": dict(temperature=1.0), "t07p09": dict(temperature=0.7, top_p=0
 
 @pytest.fixture(scope="module")
 def pair():
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     return tiny.build_distribution_pair()
 
@@ -148,20 +149,22 @@ def test_mixed_batch(baseline, usd_k3):
         assert usd_k3["mixed"][i] == usd_k3["mixed_again"][i], "seeded request did not reproduce"
 
 
-@pytest.mark.parametrize("fault,setting", [("scramble_q", "t1"), ("no_cpu_fix", "t07p09")])
+@pytest.mark.parametrize("fault,setting", [(ScrambleQProposer, "t1"), (NoCpuFixProposer, "t07p09")],
+                         ids=["scramble_q", "no_cpu_fix"])
 def test_planted_bug_is_caught(pair, baseline, fault, setting):
     """The same test must reject USD with q on the wrong ids, or without the CPU sampler fix."""
     target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, env={"VLLM_USD_TEST_FAULT": fault}) as llm:
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, proposer=fault) as llm:
         samples = _samples(llm, setting)
     p = homogeneity_pvalue(baseline[setting], samples)
-    assert p < 1e-6, f"planted bug {fault} not detected: p = {p:.2e}"
+    print(f"planted bug {fault.__name__}: p = {p:.2e}")
+    assert p < 1e-6, f"planted bug {fault.__name__} not detected: p = {p:.2e}"
 
 
 def test_no_q_is_lossless_but_accepts_less(pair, baseline, usd_k3):
     """Sampled drafts without q: point masses to vLLM. Same distribution, lower acceptance."""
     target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, env={"VLLM_USD_TEST_FAULT": "omit_q"}) as llm:
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, proposer=OmitQProposer) as llm:
         samples = _samples(llm, "t1")
         counts = spec_counts(llm)
     p = homogeneity_pvalue(baseline["t1"], samples)

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     ("misspelled", "has no attribute 'UniversalProposr' (speculative_config.model='vllm_usd.UniversalProposr')"),
 ])
 def test_startup_error_reaches_the_user(tmp_path, case, expected):
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     target, drafter = tiny.tiny_pair("bpe", "sp")
     if case == "missing":

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def pair():
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     return tiny.build_distribution_pair()
 
@@ -44,7 +44,7 @@ def _run(cmd: list[str], timeout: int = 600, **env: str) -> subprocess.Completed
 
 
 def test_analyze_pair_example(pair):
-    from vllm_usd.vocab import VocabMapping
+    from vllm_usd.core import VocabMapping
 
     res = _run(["bash", "examples/analyze_pair.sh", *pair, "--json"])
     report = json.loads(res.stdout)

@@ -162,7 +162,7 @@ def _empty_prompt(llm) -> dict:
 
 @pytest.fixture(scope="module")
 def pair():
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     return tiny.build_distribution_pair()
 

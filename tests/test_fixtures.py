@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from vllm_usd.fixtures import tiny
+from tests.fixtures import tiny
 
 
 def test_tiny_tokenizers_properties(tiny_tokenizers):

@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from tests.fakes import FakeRunner, sampling, vllm_config
+from tests.faults import RankRngProposer
 from vllm_usd import UniversalProposer
 
 
 @pytest.fixture(scope="module")
 def pair():
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     return tiny.build_distribution_pair()
 
 
-def _proposer(pair, k=3, **usd):
+def _proposer(pair, k=3, cls=UniversalProposer, **usd):
     target, drafter = pair
-    return UniversalProposer(vllm_config(target, {"drafter": drafter, **usd}, k=k))
+    return cls(vllm_config(target, {"drafter": drafter, **usd}, k=k))
 
 
 def _prompt(pair, text):
@@ -63,7 +64,7 @@ def test_accepted_drafts_reuse_the_drafter_kv(pair):
     runner = FakeRunner()
     runner.add("a", _prompt(pair, " the keeper of the light"))
     drafts = runner.step(p, {})
-    committed = len(p._states["a"].translator.draft_ids)
+    committed = len(p.requests.get("a").translator.draft_ids)
     calls = []
     real = p.runtime.forward
     p.runtime.forward = lambda ids, keep, new: calls.append((list(keep), [list(t) for t in new])) or real(ids, keep, new)
@@ -110,7 +111,7 @@ def test_prefill_rows_and_drafter_context_limit(pair):
     assert drafts["long"] == [] and p.counters["skipped_context_full"] == 1, "not re-translated every step"
     runner.remove("long")
     runner.step(p, {"short": [5]}, finished={"long"})
-    assert "long" not in p._undraftable
+    assert not p.requests.is_undraftable("long")
 
 
 def test_kv_budget_skips_requests_instead_of_failing(pair):
@@ -166,14 +167,12 @@ def test_no_drafts_once_max_tokens_is_reached(pair):
     assert not p.runtime.has("short") and p.num_request_states == 1
 
 
-def _two_ranks(pair, fault: str | None, monkeypatch) -> list[list[str]]:
+def _two_ranks(pair, cls) -> list[list[str]]:
     """Two proposers fed the same steps, as two tensor-parallel ranks are. Returns their digests."""
-    if fault:
-        monkeypatch.setenv("VLLM_USD_TEST_FAULT", fault)
     digests = []
     for rank in (0, 1):
-        p = _proposer(pair, debug_digests=True)
-        p._rank = rank
+        p = _proposer(pair, cls=cls, debug_digests=True)
+        p.rank = rank
         runner = FakeRunner()
         runner.add("greedy", _prompt(pair, " the keeper"), sampling(0.0))
         runner.add("free", _prompt(pair, " it was"), sampling(1.0))
@@ -185,15 +184,15 @@ def _two_ranks(pair, fault: str | None, monkeypatch) -> list[list[str]]:
     return digests
 
 
-def test_ranks_draw_identical_drafts_and_q(pair, monkeypatch):
+def test_ranks_draw_identical_drafts_and_q(pair):
     """No global or rank-local RNG: what a rank drafts depends only on what all ranks see."""
-    rank0, rank1 = _two_ranks(pair, None, monkeypatch)
+    rank0, rank1 = _two_ranks(pair, UniversalProposer)
     assert len(rank0) == 4 and rank0 == rank1
 
 
-def test_digests_catch_rank_local_randomness(pair, monkeypatch):
-    """Planted bug: rank-dependent drafting randomness. The digests must differ."""
-    rank0, rank1 = _two_ranks(pair, "rank_rng", monkeypatch)
+def test_digests_catch_rank_local_randomness(pair):
+    """Planted bug (tests.faults.RankRngProposer): rank-dependent drafting randomness. The digests must differ."""
+    rank0, rank1 = _two_ranks(pair, RankRngProposer)
     assert len(rank0) == 4 and rank0 != rank1
 
 

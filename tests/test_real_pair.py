@@ -44,7 +44,7 @@ def tokenizers(real_pair):
 
 # -- vocabulary core on real tokenizers (no engine) ---------------------------------------
 def test_overlap_counts(tokenizers):
-    from vllm_usd.vocab import VocabMapping
+    from vllm_usd.core import VocabMapping
 
     gemma, smol = tokenizers["gemma3"], tokenizers["smollm2"]
     start = time.perf_counter()
@@ -65,7 +65,7 @@ def test_overlap_counts(tokenizers):
 
 def _real_text_lines() -> list[str]:
     """A few thousand lines of real prose and code: the fixture corpus plus Python stdlib modules."""
-    corpus = (Path(__file__).parent.parent / "vllm_usd" / "fixtures" / "corpus.txt").read_text(encoding="utf-8")
+    corpus = (Path(__file__).parent / "fixtures" / "corpus.txt").read_text(encoding="utf-8")
     lines = corpus.splitlines(keepends=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for name in ("textwrap.py", "json/decoder.py", "difflib.py", "string.py", "csv.py"):
@@ -75,7 +75,7 @@ def _real_text_lines() -> list[str]:
 
 @pytest.mark.parametrize("target,drafter", [("gemma3", "smollm2"), ("smollm2", "gemma3")])
 def test_translator_invariant_on_real_text(tokenizers, target, drafter):
-    from vllm_usd.vocab import ContextTranslator, FragmentEncoder, VocabMapping
+    from vllm_usd.core import ContextTranslator, FragmentEncoder, VocabMapping
 
     t_tok, d_tok = tokenizers[target], tokenizers[drafter]
     m = VocabMapping.build(t_tok, d_tok)
@@ -129,8 +129,8 @@ def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
     # it must land within 25% of what the engine measured.
     from transformers import AutoModelForCausalLM
 
-    from vllm_usd.acceptance import estimate_acceptance
-    from vllm_usd.drafter.hf_runtime import load_drafter
+    from vllm_usd.analysis.acceptance import estimate_acceptance
+    from vllm_usd.drafter import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(real_pair["gemma3"]).eval()
     drafter, d_tok = load_drafter(real_pair["smollm2"])

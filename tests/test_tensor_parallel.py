@@ -6,8 +6,8 @@ with the same q, or the ranks' token histories silently diverge.
 
 - Greedy output at TP=2 with USD equals TP=1 without it, with drafts accepted.
 - Under sampling, both ranks record identical per-step digests of (drafts, q)
-  (``usd.debug_digests``). A planted bug (``rank_rng``: drafting seeded with
-  the rank) must make them differ, here and in test_proposer_lifecycle.
+  (``usd.debug_digests``). A planted bug (``tests.faults.RankRngProposer``: drafting
+  seeded with the rank) must make them differ, here and in test_proposer_lifecycle.
 - The sampling-distribution test at TP=2, smaller sample: N = 4,000 two-token
   completions with and without USD, chi-square homogeneity, pass at p >= 1e-3
   (false-alarm rate 0.1%). Its power against a wrong q is shown at N = 20,000
@@ -21,6 +21,7 @@ import os
 import pytest
 
 from tests.engines import engine, spec_counts, token_ids
+from tests.faults import RankRngProposer
 from tests.prompts import LOWERCASE
 from tests.stats import homogeneity_pvalue
 
@@ -42,7 +43,7 @@ def _bind_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pair():
-    from vllm_usd.fixtures import tiny
+    from tests.fixtures import tiny
 
     return tiny.build_distribution_pair()
 
@@ -71,7 +72,7 @@ def tp1_plain(pair):
 
 @pytest.fixture(scope="module")
 def tp2_usd(pair):
-    from vllm_usd.debug import draft_digests, proposer_stats
+    from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
 
     target, drafter = pair
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
@@ -114,11 +115,11 @@ def test_digests_catch_rank_local_randomness_at_tp2(pair):
     """Planted bug: each rank seeds drafting with its own rank. The ranks' digests must differ."""
     from vllm import SamplingParams
 
-    from vllm_usd.debug import draft_digests
+    from vllm_usd.vllm_adapter.debug import draft_digests
 
     target, drafter = pair
     with engine(target, drafter=drafter, k=3, tensor_parallel_size=2, distributed_executor_backend="mp",
-                env={**_bind_env(), "VLLM_USD_TEST_FAULT": "rank_rng"}, usd={"debug_digests": True}) as llm:
+                env=_bind_env(), usd={"debug_digests": True}, proposer=RankRngProposer) as llm:
         llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
         rank0, rank1 = llm.collective_rpc(draft_digests)
     assert rank0 and rank1 and rank0 != rank1

@@ -1,4 +1,4 @@
-"""_vllm_compat: the version guard, the CPU sampler fix, the runner hook, register()."""
+"""vllm_adapter: the version guard, the CPU sampler fix, the runner hook, register()."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from vllm_usd import _vllm_compat as compat
+from vllm_usd.vllm_adapter import compat, patches
 
 
 def test_version_guard():
@@ -23,21 +23,22 @@ def test_unsupported_version_is_a_clear_refusal(monkeypatch):
 
 
 def test_register_never_raises_and_is_reentrant(monkeypatch):
-    from vllm_usd import plugin
+    from vllm_usd.vllm_adapter import plugin
 
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.1.0")
     plugin.register()  # unsupported: warns, does nothing
     plugin.register()
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(compat, "install_runner_hook", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(patches, "_applied", set())  # as in a fresh process
+    monkeypatch.setitem(patches.PATCHES, "runner_hook", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.32.0")
     plugin.register()  # a failing patch is logged, not raised
 
 
 def test_entry_point_is_declared():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert any(ep.name == "vllm_usd" and ep.value == "vllm_usd.plugin:register" for ep in eps)
+    assert any(ep.name == "vllm_usd" and ep.value == "vllm_usd.vllm_adapter.plugin:register" for ep in eps)
 
 
 def _registered_cpu_kernels():
@@ -52,13 +53,13 @@ def test_cpu_expand_bug_exists_and_the_fix_repairs_it():
     _registered_cpu_kernels()
     from vllm.v1.sample import rejection_sampler as rs
 
-    assert compat.cpu_expand_is_broken(), "vLLM's CPU expand now works: the fix can be retired"
+    assert patches.cpu_expand_is_broken(), "vLLM's CPU expand now works: the fix can be retired"
     x = torch.tensor([0.25, 0.5, 0.75])
     cu = torch.tensor([2, 3, 5], dtype=torch.int32)
     original = rs.expand_batch_to_tokens
     try:
-        assert compat.install_cpu_expand_fix()
-        assert compat.install_cpu_expand_fix()  # idempotent
+        assert patches.install_cpu_expand_fix()
+        assert patches.install_cpu_expand_fix()  # idempotent
         assert torch.equal(rs.expand_batch_to_tokens(x, cu, 5), torch.tensor([0.25, 0.25, 0.5, 0.75, 0.75]))
         ints = torch.tensor([3, -1, 7])
         assert rs.expand_batch_to_tokens(ints, cu, 5, replace_from=-1, replace_to=9).tolist() == [3, 3, 9, 7, 7]
@@ -66,14 +67,14 @@ def test_cpu_expand_bug_exists_and_the_fix_repairs_it():
         assert rs.expand_batch_to_tokens(k, cu, 5).tolist() == [5, 5, 0, 2, 2]
     finally:
         rs.expand_batch_to_tokens = original
-        compat._applied.discard("cpu_expand_fix")
+        patches._applied.discard("cpu_expand_fix")
 
 
 def test_runner_hook_hands_q_to_the_runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    compat.install_runner_hook()
-    compat.install_runner_hook()
+    patches.install_runner_hook()
+    patches.install_runner_hook()
     wrapped = GPUModelRunner.propose_draft_token_ids
     assert hasattr(wrapped, "__vllm_usd_wrapped__")
 
@@ -99,7 +100,7 @@ def test_runner_hook_hands_q_to_the_runner():
     original = wrapped.__vllm_usd_wrapped__
     try:
         wrapped.__vllm_usd_wrapped__ = None
-        hook = compat._wrap_propose(lambda self, so, *a, **k: calls.append(so) or [[1], [2]])
+        hook = patches._wrap_propose(lambda self, so, *a, **k: calls.append(so) or [[1], [2]])
         out = hook(runner, "sched")
     finally:
         wrapped.__vllm_usd_wrapped__ = original
@@ -133,5 +134,5 @@ def test_runner_hook_moves_q_to_the_runners_device():
         device = torch.device("meta")  # stands in for cuda:0 on a CPU-only machine
 
     runner = Runner()
-    compat._wrap_propose(lambda self, so: [[1], [2]])(runner, "sched")
+    patches._wrap_propose(lambda self, so: [[1], [2]])(runner, "sched")
     assert runner._draft_probs.device.type == "meta" and runner._draft_probs.shape == (2, 3, 4)

@@ -10,8 +10,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from vllm_usd.fixtures import tiny
-from vllm_usd.vocab import VocabMapping, build_token_table
+from tests.fixtures import tiny
+from vllm_usd.core import VocabMapping, build_token_table
 
 PAIRS = [("bpe", "sp"), ("sp", "bpe")]
 

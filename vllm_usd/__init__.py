@@ -14,7 +14,7 @@ __all__ = ["UniversalProposer", "speculative_args", "__version__"]
 def __getattr__(name: str):
     # Lazy: importing vllm_usd must not import vLLM (the core works without it).
     if name == "UniversalProposer":
-        from vllm_usd.proposer import UniversalProposer
+        from vllm_usd.vllm_adapter.proposer import UniversalProposer
 
         return UniversalProposer
     if name == "speculative_args":

@@ -13,75 +13,16 @@ target's KV cache groups.
 
 from __future__ import annotations
 
-import contextvars
-import logging
-import os
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from vllm_usd.drafter.attention import SlotBatch, batch_masks
 from vllm_usd.drafter.base import DrafterRuntime
 
-logger = logging.getLogger("vllm.usd")
-
-ATTN_NAME = "vllm_usd_slots"
 # Requests with more new tokens than this in one step (a prompt) are run in
 # their own forward, so they do not pad everyone else's batch.
 PREFILL_SPLIT = 16
-
-
-@dataclass
-class _Batch:
-    """Masks for one forward; read by the attention function."""
-
-    full: torch.Tensor  # [R, 1, T, Lk] additive
-    qpos: torch.Tensor  # [R, T] absolute query positions
-    kpos: torch.Tensor  # [Lk]
-    sliding: dict[int, torch.Tensor]
-
-
-_CURRENT: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar("vllm_usd_batch", default=None)
-
-
-def _mask_for(batch: _Batch, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    if not window:
-        return batch.full
-    mask = batch.sliding.get(window)
-    if mask is None:
-        too_old = batch.kpos.view(1, 1, 1, -1) <= (batch.qpos - window).unsqueeze(1).unsqueeze(-1)
-        mask = batch.full.masked_fill(too_old, torch.finfo(dtype).min)
-        batch.sliding[window] = mask
-    return mask
-
-
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                   sliding_window=None, softcap=None, **kwargs):
-    """query [R, H, T, D]; key/value [R, Hkv, Lk, D] (views into the slot cache)."""
-    batch = _CURRENT.get()
-    r, h, t, d = query.shape
-    hkv, lk = key.shape[1], key.shape[2]
-    g = h // hkv
-    if scaling is None:
-        scaling = d ** -0.5
-    q = query.reshape(r * hkv, g * t, d)
-    k = key.reshape(r * hkv, lk, d)
-    v = value.reshape(r * hkv, lk, value.shape[-1])
-    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scaling)  # [R*Hkv, G*T, Lk]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    mask = _mask_for(batch, sliding_window, scores.dtype) if batch is not None else attention_mask
-    scores = scores.view(r, hkv, g, t, lk) + mask.unsqueeze(2)  # mask [R,1,1,T,Lk]
-    probs = scores.float().softmax(dim=-1).to(v.dtype).view(r * hkv, g * t, lk)
-    out = torch.bmm(probs, v)  # [R*Hkv, G*T, Dv]
-    out = out.view(r, hkv, g, t, -1).reshape(r, h, t, -1).transpose(1, 2).contiguous()
-    return out, None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, slot_attention)
 
 
 class _SlotCacheView:
@@ -107,56 +48,6 @@ class _SlotCacheView:
 
     def __len__(self) -> int:
         return len(self._rt._k)
-
-
-class DrafterLoadError(ValueError):
-    pass
-
-
-def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = None,
-                 trust_remote_code: bool = False):
-    """Load (model, tokenizer) with clear, single-line errors."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    where = f"additional_config.usd.drafter = {path!r}"
-    if os.path.sep in path and not os.path.exists(path):
-        raise DrafterLoadError(f"vllm-usd: drafter folder not found ({where}). Point it at a local model folder or a hub id.")
-    try:
-        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise DrafterLoadError(
-                f"vllm-usd: the drafter needs custom code ({where}); vllm-usd never enables it by itself. "
-                "Set usd.trust_remote_code = true only if you trust that repository."
-            ) from exc
-        raise DrafterLoadError(f"vllm-usd: cannot read the drafter's config ({where}): {exc}") from exc
-    except OSError as exc:
-        raise DrafterLoadError(f"vllm-usd: cannot load the drafter ({where}): {str(exc).splitlines()[0]}") from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001
-        raise DrafterLoadError(
-            f"vllm-usd: the drafter has no readable tokenizer ({where}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
-            "Save the tokenizer next to the drafter's weights."
-        ) from exc
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise DrafterLoadError(f"vllm-usd: the drafter's tokenizer has no tokenizer.json (fast tokenizer) ({where}).")
-    _register_attention()
-    torch_dtype = getattr(config, "torch_dtype", None) if dtype == "auto" else getattr(torch, dtype)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
-            attn_implementation=ATTN_NAME,
-        )
-    except ValueError as exc:
-        raise DrafterLoadError(
-            f"vllm-usd: the drafter is not a causal language model ({where}): {str(exc).splitlines()[0]}"
-        ) from exc
-    except OSError as exc:
-        raise DrafterLoadError(f"vllm-usd: cannot load the drafter's weights ({where}): {str(exc).splitlines()[0]}") from exc
-    model.eval()
-    model.requires_grad_(False)
-    return model, tokenizer
 
 
 class HFDrafterRuntime(DrafterRuntime):
@@ -314,18 +205,15 @@ class HFDrafterRuntime(DrafterRuntime):
         kpos = torch.arange(key_len)
         allowed = kpos.view(1, 1, 1, -1) <= pos.view(rows_n, 1, t_max, 1)  # causal within each row
         full = torch.zeros(allowed.shape, dtype=self._dtype).masked_fill_(~allowed, torch.finfo(self._dtype).min)
-        batch = _Batch(full=full, qpos=pos, kpos=kpos, sliding={})
+        batch = SlotBatch(full=full, qpos=pos, kpos=kpos, sliding={})
         rows = torch.arange(lo, hi).unsqueeze(1).expand(rows_n, t_max)
         cache = _SlotCacheView(self, lo, hi, rows, pos, key_len)
 
-        token = _CURRENT.set(batch)
-        try:
+        with batch_masks(batch):
             hidden = self._base(
                 input_ids=tokens, position_ids=pos, attention_mask=full,
                 past_key_values=cache, use_cache=True,
             ).last_hidden_state  # [R, T, hidden]
-        finally:
-            _CURRENT.reset(token)
         # the last new token of each requested row
         sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long)
         sel_cols = torch.tensor([len(t) - 1 for t in new_tokens], dtype=torch.long)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_usd.vocab.mapping import VocabMapping
+from vllm_usd.core.mapping import VocabMapping
 
 
 def _complete_utf8_prefix(data: bytes | bytearray) -> int:

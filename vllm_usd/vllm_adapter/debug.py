@@ -1,7 +1,7 @@
 """Read the proposer's state from outside the worker process.
 
-    llm.collective_rpc(vllm_usd.debug.proposer_stats)   # one dict per worker
-    llm.collective_rpc(vllm_usd.debug.draft_digests)    # one list per worker
+    llm.collective_rpc(vllm_usd.vllm_adapter.debug.proposer_stats)   # one dict per worker
+    llm.collective_rpc(vllm_usd.vllm_adapter.debug.draft_digests)    # one list per worker
 
 vLLM sends the function to each worker (set VLLM_ALLOW_INSECURE_SERIALIZATION=1
 where vLLM asks for it); it reads the runner's drafter if it is a vllm-usd one.
@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_usd.vllm_adapter.compat import worker_drafter
+
+
+def _ours(worker: Any) -> Any:
+    drafter = worker_drafter(worker)
+    return drafter if getattr(drafter, "is_vllm_usd_proposer", False) else None
+
 
 def proposer_stats(worker: Any) -> dict[str, Any] | None:
-    runner = getattr(worker, "model_runner", None)
-    drafter = getattr(runner, "drafter", None)
-    if not getattr(drafter, "is_vllm_usd_proposer", False):
-        return None
-    return drafter.stats()
+    drafter = _ours(worker)
+    return drafter.stats() if drafter is not None else None
 
 
 def draft_digests(worker: Any) -> list[str] | None:
@@ -25,17 +29,14 @@ def draft_digests(worker: Any) -> list[str] | None:
 
     Under tensor parallelism every rank must return the same list.
     """
-    runner = getattr(worker, "model_runner", None)
-    drafter = getattr(runner, "drafter", None)
-    if not getattr(drafter, "is_vllm_usd_proposer", False):
-        return None
-    return drafter.digests
+    drafter = _ours(worker)
+    return drafter.digests if drafter is not None else None
 
 
 class ProposerStatsExtension:
     """A vLLM worker extension that makes the readers above callable by name.
 
-    Start vLLM with ``--worker-extension-cls vllm_usd.debug.ProposerStatsExtension``;
+    Start vLLM with ``--worker-extension-cls vllm_usd.vllm_adapter.debug.ProposerStatsExtension``;
     then ``collective_rpc("usd_proposer_stats")`` works where functions cannot be
     sent, for example through the API server's ``POST /collective_rpc``
     (``VLLM_SERVER_DEV_MODE=1``, development only).

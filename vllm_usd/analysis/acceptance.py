@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_usd.core.pair import DraftPair
 from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
-from vllm_usd.vocab import ContextTranslator, FragmentEncoder, VocabMapping
 
 
 @dataclass
@@ -66,19 +66,6 @@ def _expected_sampled(alpha: list[float], k: int) -> float:
     return total / len(alpha)
 
 
-def translation_parts(target_model, target_tokenizer, drafter_model, drafter_tokenizer
-                      ) -> tuple[VocabMapping, FragmentEncoder, int | None]:
-    """What a ContextTranslator needs for two transformers models: the mapping over their logits
-    widths, the drafter's fragment encoder, and the drafter's BOS id if its tokenizer adds one."""
-    t_vocab = target_model.get_output_embeddings().weight.shape[0]
-    d_vocab = drafter_model.get_output_embeddings().weight.shape[0]
-    mapping = VocabMapping.build(target_tokenizer, drafter_tokenizer, t_vocab, d_vocab, min_share=0.0)
-    encoder = FragmentEncoder(drafter_tokenizer, mapping.draft_table)
-    bos = drafter_tokenizer.bos_token_id
-    bos = bos if bos is not None and drafter_tokenizer("a").input_ids[:1] == [bos] else None
-    return mapping, encoder, bos
-
-
 @torch.inference_mode()
 def estimate_acceptance(
     target_model, target_tokenizer, drafter_model, drafter_tokenizer,
@@ -87,7 +74,8 @@ def estimate_acceptance(
     """``sequences``: target token ids (prompt + text). Positions before
     ``score_from[i]`` give context only. Both models are transformers causal
     LMs; the drafter must have been loaded with ``load_drafter``."""
-    mapping, encoder, bos = translation_parts(target_model, target_tokenizer, drafter_model, drafter_tokenizer)
+    pair = DraftPair.for_models(target_model, target_tokenizer, drafter_model, drafter_tokenizer)
+    mapping = pair.mapping
     runtime = HFDrafterRuntime(drafter_model, max_len=1 << 20, max_requests=1, kv_budget_bytes=1 << 34)
     runtime.set_output_rows(mapping.draft_ids)
 
@@ -97,7 +85,7 @@ def estimate_acceptance(
     for s, ids in enumerate(sequences):
         first = max(1, score_from[s] if score_from else 1)
         p = target_model(torch.tensor([ids])).logits[0].float().softmax(-1)  # [L, V]
-        translator = ContextTranslator(mapping, encoder, bos)
+        translator = pair.translator()
         translator.start(ids[:first])
         runtime.add("seq")
         run: list[bool] = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_usd.vocab.token_bytes import ROLES, TokenTable, build_token_table
+from vllm_usd.core.token_bytes import ROLES, TokenTable, build_token_table
 
 # Below this share of the drafter's vocabulary, drafting is pointless.
 DEFAULT_MIN_SHARE = 0.01
@@ -137,18 +137,6 @@ class VocabMapping:
                 if d not in d_table.special_ids and target_strings(t) != draft_strings(d):
                     byte_only += 1
         return cls(draft_ids, target_ids, d2t, t2d, t_table, d_table, byte_only)
-
-    def to(self, device: torch.device | str) -> "VocabMapping":
-        """A copy with the four tensors on ``device``."""
-        return VocabMapping(
-            self.draft_ids.to(device),
-            self.target_ids.to(device),
-            self.draft_to_target.to(device),
-            self.target_to_draft.to(device),
-            self.target_table,
-            self.draft_table,
-            self.byte_only_matches,
-        )
 
     def restrict(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., draft_vocab_size] -> [..., n], columns in ``draft_ids`` order."""

@@ -11,55 +11,9 @@ whether or not a q tensor is handed over.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers, the same in every process (no ``hash()``).
-
-    Drafting randomness is a pure function of what every tensor-parallel rank
-    sees alike (the request, the position, the configured seed), so all ranks
-    draw the same drafts with the same q. SplitMix64 finaliser per part.
-    """
-    h = 0x9E3779B97F4A7C15
-    for part in parts:
-        h = (h ^ (int(part) & _MASK64)) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h >> 1
-
-
-def text_key(text: str) -> int:
-    """A stable 64-bit key for a request id (Python's ``hash`` differs per process)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-def position_generators(
-    keys: list[int], positions: list[int], seeded: list[bool], salt: int,
-) -> tuple[list[torch.Generator | None], torch.Generator]:
-    """Generators for one draft position of a batch, from keys and positions only.
-
-    keys[b]: a stable key per row: from the request's own seed where seeded[b],
-    else from its request id. positions[b]: the absolute position being drafted.
-    A seeded row gets its own generator seeded by (key, position), so its drafts
-    do not depend on the rest of the batch. The other rows share one generator,
-    seeded by ``salt`` and every unseeded row's (key, position).
-    """
-    per_row: list[torch.Generator | None] = []
-    shared_parts = [salt]
-    for key, pos, own in zip(keys, positions, seeded):
-        if own:
-            per_row.append(torch.Generator().manual_seed(mix_seed(key, pos)))
-        else:
-            per_row.append(None)
-            shared_parts += (key, pos)
-    return per_row, torch.Generator().manual_seed(mix_seed(*shared_parts))
 
 
 @dataclass
@@ -175,39 +129,3 @@ def sample_drafts(
         q[g_rows] = 0.0
         q[g_rows, g_index] = 1.0
     return index, q
-
-
-class DraftProbsBuffer:
-    """q for vLLM's rejection sampler: ``[num_rows, k, target_vocab]`` float32, reused.
-
-    Only the intersection's columns are ever written, so the rest stay zero
-    from allocation on: each step costs O(rows * k * n), not O(rows * k * V).
-    """
-
-    def __init__(self, k: int, target_vocab_size: int, target_ids: torch.Tensor) -> None:
-        self.k = k
-        self.vocab = target_vocab_size
-        self._cols = target_ids.unsqueeze(0)  # [1, n]
-        self._buf: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
-
-    def fill(self, rows: list[int], qs: list[torch.Tensor], num_rows: int) -> torch.Tensor:
-        """rows[b] is the batch row of q[b]; qs[j] is [B, n] for draft position j."""
-        buf = self._buf
-        if buf is None or buf.shape[0] < num_rows:
-            cap = max(num_rows, 2 * (buf.shape[0] if buf is not None else 4))
-            buf = torch.zeros(cap, self.k, self.vocab, dtype=torch.float32)
-            self._buf = buf
-        cols = self._cols[0]
-        first = rows[0]
-        if rows == list(range(first, first + len(rows))):  # the usual case: every row drafted
-            for j, q in enumerate(qs):
-                buf[first:first + len(rows), j].index_copy_(1, cols, q)
-        else:
-            row_idx = torch.tensor(rows, dtype=torch.long, device=buf.device).unsqueeze(-1)  # [B, 1]
-            for j, q in enumerate(qs):
-                buf[:, j].index_put_((row_idx, self._cols), q)
-        return buf[:num_rows]

@@ -12,7 +12,8 @@ vLLM as it is.
 from __future__ import annotations
 
 import logging
-import os
+
+from vllm_usd import envs
 
 logger = logging.getLogger("vllm.usd")  # a child of vLLM's logger: same handler and format
 
@@ -24,21 +25,19 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    if os.environ.get("VLLM_USD_DISABLE", "") == "1":
+    if envs.disabled():
         return
     try:
-        from vllm_usd import _vllm_compat
+        from vllm_usd.vllm_adapter import compat, patches
 
-        if not _vllm_compat.is_supported():
+        if not compat.is_supported():
             logger.warning(
                 "vllm-usd: vLLM %s is not supported (needs %s); the plugin stays inactive.",
-                _vllm_compat.vllm_version(), ", ".join(_vllm_compat.SUPPORTED_VLLM),
+                compat.vllm_version(), ", ".join(compat.SUPPORTED_VLLM),
             )
             return
-        _vllm_compat.install_runner_hook()
-        if os.environ.get("VLLM_USD_FIX_CPU_SAMPLER", "") == "1":
-            _vllm_compat.install_cpu_expand_fix()
-        logger.info("vllm-usd: active on vLLM %s (patches: %s)", _vllm_compat.vllm_version(),
-                    ", ".join(sorted(_vllm_compat.applied())))
+        wanted = ["runner_hook"] + (["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
+        in_force = patches.apply(wanted)
+        logger.info("vllm-usd: active on vLLM %s (patches: %s)", compat.vllm_version(), ", ".join(sorted(in_force)))
     except Exception as exc:  # noqa: BLE001 - never break vLLM for other users
         logger.warning("vllm-usd: registration skipped: %s", exc)

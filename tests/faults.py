@@ -1,0 +1,44 @@
+"""Planted bugs: proposers that each break one invariant, for the tests that must catch them.
+
+The shipped package has no fault switch. A test names one of these classes as
+vLLM's ``custom_class`` proposer (``tests.faults.ScrambleQProposer``);
+``tests.engines.engine(..., proposer=ScrambleQProposer)`` names the class and
+puts the repository on the engine processes' ``PYTHONPATH`` so that the workers
+can import it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_usd.drafting import DraftBatch
+from vllm_usd.vllm_adapter.proposer import UniversalProposer
+
+
+class ScrambleQProposer(UniversalProposer):
+    """Hands q shifted by one column: the sampler sees the wrong distribution for every draft."""
+
+    def _q_for_sampler(self, batch: DraftBatch) -> list[torch.Tensor] | None:
+        qs = super()._q_for_sampler(batch)
+        return None if qs is None else [q.roll(1, dims=-1) for q in qs]
+
+
+class OmitQProposer(UniversalProposer):
+    """Hands no q for sampled drafts: vLLM then treats them as point masses (lossless, accepts less)."""
+
+    def _q_for_sampler(self, batch: DraftBatch) -> list[torch.Tensor] | None:
+        return None
+
+
+class NoCpuFixProposer(UniversalProposer):
+    """Leaves vLLM's broken CPU expand_batch_to_tokens in place (docs/cpu-expand-bug.md)."""
+
+    patches = ("runner_hook",)
+
+
+class RankRngProposer(UniversalProposer):
+    """Seeds drafting with the tensor-parallel rank: what TP must never have."""
+
+    def _draft_salt(self) -> int:
+        return super()._draft_salt() + 1 + self.rank
+

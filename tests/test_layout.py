@@ -1,0 +1,55 @@
+"""The package's shape: the vLLM-free folders stay vLLM-free, files stay small, no test switches ship."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "vllm_usd"
+VLLM_FREE = ("core", "drafting", "drafter", "analysis")
+IMPORTS_VLLM = re.compile(r"^\s*(from\s+vllm(\.|\s)|import\s+vllm(\.|\s|$))", re.MULTILINE)
+
+
+def _sources(folder: Path = PACKAGE) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+@pytest.mark.parametrize("folder", VLLM_FREE)
+def test_vllm_free_folders_import_no_vllm(folder):
+    files = _sources(PACKAGE / folder)
+    assert files, f"vllm_usd/{folder} is empty"
+    offenders = [str(f.relative_to(PACKAGE)) for f in files if IMPORTS_VLLM.search(f.read_text())]
+    assert not offenders, f"these import vLLM: {offenders}"
+
+
+def test_the_import_check_sees_a_vllm_import():
+    """Power check for the grep above: it must match the ways vLLM gets imported, and not vllm_usd."""
+    for line in ("import vllm", "from vllm import LLM", "    from vllm.v1 import x", "import vllm.platforms"):
+        assert IMPORTS_VLLM.search(line), line
+    for line in ("from vllm_usd.core import VocabMapping", "import vllm_usd", "# vllm is not imported"):
+        assert not IMPORTS_VLLM.search(line), line
+
+
+def test_no_package_file_is_over_400_lines():
+    long = {str(f.relative_to(PACKAGE)): n for f in _sources() if (n := len(f.read_text().splitlines())) > 400}
+    assert not long, long
+
+
+def test_no_test_fault_switch_ships():
+    hits = [str(f.relative_to(PACKAGE)) for f in _sources() if "TEST_FAULT" in f.read_text()]
+    assert not hits, hits
+
+
+def test_environment_variables_are_read_only_in_envs():
+    """Every VLLM_USD_* variable is named in envs.py and nowhere else in the package."""
+    from vllm_usd import envs
+
+    for f in _sources():
+        if f.name == "envs.py":
+            continue
+        text = f.read_text()
+        assert "os.environ.get(\"VLLM_USD" not in text and "getenv(\"VLLM_USD" not in text, f
+        for name in re.findall(r"\bVLLM_USD_[A-Z_]+", text):
+            assert name in envs.ALL, f"{f.relative_to(PACKAGE)} names {name}, which envs.py does not list"

@@ -1,0 +1,10 @@
+"""vLLM-free drafting over a DrafterRuntime: per-request state, the intersection
+strategy (TLI, with the exact q), phase timers and step digests."""
+
+from vllm_usd.drafting.digests import StepDigests
+from vllm_usd.drafting.requests import DraftRows, RequestSampling, RequestTable
+from vllm_usd.drafting.timing import PhaseTimer
+from vllm_usd.drafting.tli import DraftBatch, IntersectionDrafting
+
+__all__ = ["DraftBatch", "DraftRows", "IntersectionDrafting", "PhaseTimer", "RequestSampling", "RequestTable",
+           "StepDigests"]

@@ -1,0 +1,123 @@
+"""Every change vllm-usd makes to vLLM, listed in ``PATCHES`` and applied by ``apply``.
+
+Each patch is idempotent and applies only on a supported vLLM.
+
+- ``runner_hook``: wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU
+  runner inherits it). Before the call it hands the runner and the scheduler
+  output to a vllm-usd proposer; after it, it copies the proposer's draft
+  probabilities into ``runner._draft_probs`` / ``_draft_prob_req_ids``, which
+  vLLM 0.32 only fills for its own draft-model methods. Other proposers are
+  untouched.
+- ``cpu_expand_fix``: on CPU, ``rejection_sampler.expand_batch_to_tokens``
+  returns uninitialised memory for float and int32 inputs (the CPU kernel
+  writes into an int64 copy that is never copied back). It is replaced by a
+  ``torch.repeat_interleave`` equivalent. See docs/cpu-expand-bug.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import torch
+
+from vllm_usd.vllm_adapter.compat import require_supported
+
+_applied: set[str] = set()
+
+
+# --- runner_hook -------------------------------------------------------------------------------
+def _wrap_propose(original):
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        ours = getattr(drafter, "is_vllm_usd_proposer", False)
+        if ours:
+            drafter.bind_step(self, scheduler_output)
+        out = original(self, scheduler_output, *args, **kwargs)
+        if ours:
+            probs = drafter.take_last_draft_probs()
+            if probs is not None:
+                device = getattr(self, "device", None)
+                if device is not None and probs.device != torch.device(device):
+                    # the drafter runs on the CPU; the rejection sampler wants q beside the target's probs
+                    probs = probs.to(device, non_blocking=True)
+                self._draft_probs = probs
+                self._draft_prob_req_ids = list(self.input_batch.req_ids)
+        return out
+
+    propose_draft_token_ids.__vllm_usd_wrapped__ = original  # type: ignore[attr-defined]
+    return propose_draft_token_ids
+
+
+def install_runner_hook() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    current = GPUModelRunner.propose_draft_token_ids
+    if not hasattr(current, "__vllm_usd_wrapped__"):
+        GPUModelRunner.propose_draft_token_ids = _wrap_propose(current)
+    return True
+
+
+# --- cpu_expand_fix ------------------------------------------------------------------------------
+def expand_batch_to_tokens(
+    x: torch.Tensor,  # [batch_size]
+    cu_num_tokens: torch.Tensor,  # [batch_size]
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """Same contract as vLLM's: x[i] repeated for each of request i's tokens."""
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+    expanded = torch.repeat_interleave(x, counts.to(torch.long), output_size=num_tokens)
+    if replace_from != replace_to:
+        expanded = torch.where(expanded == replace_from, torch.full_like(expanded, replace_to), expanded)
+    return expanded
+
+
+def cpu_expand_is_broken() -> bool:
+    """Run vLLM's expand on a float input and see if it comes back right."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    impl = getattr(rs.expand_batch_to_tokens, "__vllm_usd_wrapped__", rs.expand_batch_to_tokens)
+    x = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float32)
+    cu = torch.tensor([2, 3, 5], dtype=torch.int32)
+    got = impl(x, cu, 5)
+    return not torch.equal(got, torch.tensor([0.25, 0.25, 0.5, 0.75, 0.75]))
+
+
+def install_cpu_expand_fix() -> bool:
+    """Replace the broken expand on the CPU platform. False where it does not apply (not CPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.sample import rejection_sampler as rs
+
+    original = rs.expand_batch_to_tokens
+    if hasattr(original, "__vllm_usd_wrapped__"):
+        return True
+    fixed = functools.wraps(original)(expand_batch_to_tokens)
+    fixed.__vllm_usd_wrapped__ = original  # type: ignore[attr-defined]
+    rs.expand_batch_to_tokens = fixed
+    return True
+
+
+# --- the list ----------------------------------------------------------------------------------
+PATCHES: dict[str, Callable[[], bool]] = {
+    "runner_hook": install_runner_hook,
+    "cpu_expand_fix": install_cpu_expand_fix,
+}
+
+
+def apply(names: Iterable[str]) -> frozenset[str]:
+    """Apply the named patches (each once) on a supported vLLM; returns the ones in force."""
+    require_supported()
+    for name in names:
+        if name not in _applied and PATCHES[name]():
+            _applied.add(name)
+    return applied()
+
+
+def applied() -> frozenset[str]:
+    return frozenset(_applied)

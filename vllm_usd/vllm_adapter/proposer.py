@@ -1,0 +1,195 @@
+"""UniversalProposer: vLLM's ``custom_class`` proposer for a drafter with another tokenizer.
+
+vLLM builds it as ``UniversalProposer(vllm_config)`` in each worker and calls
+``propose(...)`` once per step. The runner hook (``patches.py``) hands it the
+runner and scheduler output just before, and takes its draft probabilities
+just after. A step is three named parts: sync requests, draft, hand over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
+from vllm_usd.core.pair import DraftPair
+from vllm_usd.drafter import HFDrafterRuntime, load_drafter
+from vllm_usd.drafting import DraftBatch, DraftRows, IntersectionDrafting, PhaseTimer, RequestTable, StepDigests
+from vllm_usd.vllm_adapter import compat, patches
+from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
+
+logger = logging.getLogger("vllm.usd")
+
+
+class UniversalProposer:
+    """Drafts with a small model whose vocabulary differs from the target's."""
+
+    is_vllm_usd_proposer = True
+    #: the patches this proposer needs in its worker process (see patches.PATCHES)
+    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix")
+
+    def __init__(self, vllm_config: Any) -> None:
+        patches.apply(self.patches)
+        self.config: UsdConfig = parse_usd_config(getattr(vllm_config, "additional_config", None))
+        self.k = compat.num_speculative_tokens(vllm_config)
+        check_num_speculative_tokens(self.k)
+        self.target_vocab_size = compat.target_vocab_size(vllm_config)
+        trust = self.config.trust_remote_code
+        if trust is None:
+            trust = compat.target_trusts_remote_code(vllm_config)
+
+        started = time.perf_counter()
+        model, self.draft_tokenizer = load_drafter(
+            self.config.drafter, dtype=self.config.drafter_dtype,
+            revision=self.config.drafter_revision, trust_remote_code=trust,
+        )
+        self.pair = DraftPair.build(
+            compat.load_target_tokenizer(vllm_config), self.draft_tokenizer,
+            target_vocab_size=self.target_vocab_size,
+            draft_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            min_share=self.config.min_intersection,
+        )
+        self.mapping = self.pair.mapping
+        self.runtime = HFDrafterRuntime(
+            model, max_len=self.config.drafter_max_model_len or 1 << 30,
+            max_requests=self.config.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
+            kv_budget_bytes=int(self.config.drafter_kv_budget_gb * (1 << 30)),
+        )
+        self.timer = PhaseTimer(self.config.profile)
+        self.requests = RequestTable(self.pair, self.runtime, k=self.k,
+                                     always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed)
+        self.strategy = IntersectionDrafting(self.mapping, self.runtime, k=self.k,
+                                             pruned_head=self.config.pruned_head, timer=self.timer)
+        self.rank = compat.tp_rank()
+        self._digests = StepDigests()
+        self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids)
+        self._last_q: torch.Tensor | None = None
+        self._runner = None
+        self._scheduler_output = None
+        self._last_end: float | None = None
+        self._warned: set[str] = set()
+        logger.info(
+            "vllm-usd: drafter %s ready in %.1fs: %d shared tokens (%.1f%% of the drafter's %d, "
+            "%d matched by bytes only), k=%d, draft_sampling=%s",
+            self.config.drafter, time.perf_counter() - started, self.mapping.size,
+            100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
+            self.mapping.byte_only_matches, self.k, self.config.draft_sampling,
+        )
+
+    # -- vLLM hooks ----------------------------------------------------------------------------
+    def load_model(self, target_model: Any) -> None:
+        """vLLM calls this after loading the target; the drafter is already loaded."""
+
+    def bind_step(self, runner: Any, scheduler_output: Any) -> None:
+        self._runner = runner
+        self._scheduler_output = scheduler_output
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        q, self._last_q = self._last_q, None
+        return q
+
+    # -- state, for tests, benchmarks and the debug readers -------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.requests.counters
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.timer.timings
+
+    @property
+    def num_request_states(self) -> int:
+        return len(self.requests)
+
+    @property
+    def digests(self) -> list[str]:
+        """With usd.debug_digests: one SHA-256 per drafting step of (rows, requests, drafts, q)."""
+        return self._digests.all()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, phase timings (with usd.profile) and live state."""
+        return {
+            "counters": dict(self.counters), "timings": dict(self.timings),
+            "request_states": len(self.requests), "drafter_requests": self.runtime.num_requests,
+            "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
+            "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
+        }
+
+    # -- one step ------------------------------------------------------------------------------
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],  # per batch row: the tokens this step emitted
+        num_tokens_no_spec: np.ndarray,  # [num_rows] committed target tokens
+        token_ids_cpu: np.ndarray,  # [max_num_seqs, max_model_len] target ids
+        **kwargs: Any,
+    ) -> list[list[int]]:
+        self._last_q = None
+        num_rows = len(sampled_token_ids)
+        started = time.perf_counter()
+        if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
+            self.timer.add("outside_proposer", started - self._last_end)
+        try:
+            if self._runner is None:
+                raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
+            rows = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            drafts: list[list[int]] = [[] for _ in range(num_rows)]
+            if len(rows):
+                batch = self.strategy.draft(rows, self._draft_salt())
+                self._hand_over(rows, batch, drafts)
+            return drafts
+        except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
+            self._recover(exc, num_rows)
+            return [[] for _ in range(num_rows)]
+        finally:
+            if self.config.profile:
+                self._last_end = time.perf_counter()
+                self.timer.add("propose_total", self._last_end - started)
+
+    def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
+                       token_ids: np.ndarray) -> DraftRows:
+        """Forget requests vLLM dropped; bring the others' drafter contexts up to date."""
+        runner = self._runner
+        for req_id in compat.scheduler_gone_req_ids(self._scheduler_output):
+            self.requests.forget(req_id)
+        self.requests.keep_only(compat.runner_live_req_ids(runner))
+        with self.timer.phase("translate"):
+            return self.requests.collect(compat.runner_req_ids(runner), sampled_token_ids, num_tokens, token_ids,
+                                         lambda req_id: compat.request_sampling(runner, req_id))
+
+    def _draft_salt(self) -> int:
+        """Mixed into every unseeded draw: equal on every rank (usd.seed)."""
+        return self.config.seed
+
+    def _q_for_sampler(self, batch: DraftBatch) -> list[torch.Tensor] | None:
+        """q per draft position ([B, n], intersection order), or None when no row sampled."""
+        return batch.q
+
+    def _hand_over(self, rows: DraftRows, batch: DraftBatch, drafts: list[list[int]]) -> None:
+        """Drafts into vLLM's per-row lists; q into the buffer the runner hook passes on."""
+        with self.timer.phase("map_and_q"):
+            target = batch.target_ids.tolist()  # [B, k]: the one host copy of the step
+            for row, ids in zip(rows.rows, target):
+                drafts[row] = ids
+            qs = self._q_for_sampler(batch)
+            if qs is not None:
+                self._last_q = self._q_buffer.fill(rows.rows, qs, len(drafts))
+        if self.config.debug_digests:
+            self._digests.record(rows.rows, rows.req_ids, target, qs)
+        self.counters["steps"] += 1
+        self.counters["drafted_rows"] += len(rows)
+
+    def _recover(self, exc: Exception, num_rows: int) -> None:
+        """After a failed step: warn once per kind, and drop the affected requests' state."""
+        key = type(exc).__name__
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.exception("vllm-usd: drafting failed this step (%s); the affected requests go on without drafts", exc)
+        self.counters["failed_steps"] += 1
+        if self._runner is not None:
+            for req_id in list(compat.runner_req_ids(self._runner))[:num_rows]:
+                self.requests.free(req_id)
+        self._last_q = None
