@@ -31,6 +31,9 @@ setup(
         "xformers": ["xformers"],
         # demo: converting the real model pair from its GGUF files (vllm_usd.demo_pair).
         "demo": ["gguf>=0.10"],
+        # llamacpp: the CPU fast path for GGUF drafters (usd.drafter_runtime). Builds from source
+        # (about 8 minutes on 2 cores); pip's wheel cache makes later installs quick.
+        "llamacpp": ["llama-cpp-python==0.3.36"],
         # hypothesis: property tests; httpx, psutil: the soak; matplotlib: the benchmark plot
         # (bench_smoke draws it); gguf: the tests use the demo pair too.
         "test": ["pytest>=8", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests", "httpx", "psutil",

@@ -26,5 +26,15 @@ fi
 # fail to import next to torch+cpu and transformers imports them eagerly. vLLM runs
 # text models without them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The drafter's CPU fast path. llama-cpp-python has no wheel on PyPI: it builds from source
+# (about 8 minutes on 2 cores, a C/C++ compiler and cmake from pip; pip's wheel cache keeps the
+# result). Without it the drafter runs in transformers: slower, equally lossless.
+if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  echo "[vllm-usd] building llama-cpp-python (the drafter's CPU fast path; about 8 minutes the first time)"
+  if ! "$VENV/bin/python" -m pip install -q -e ".[llamacpp]"; then
+    echo "[vllm-usd] WARNING: llama-cpp-python did not build; the drafter will run in transformers" >&2
+  fi
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 "$VENV/bin/python" -c "import vllm, transformers, vllm_usd; print('[vllm-usd] ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

@@ -23,7 +23,7 @@ def test_defaults_and_helper():
     ({}, "has no 'usd' section"),
     ({"usd": "x"}, "must be a JSON object"),
     ({"usd": {}}, "drafter is missing"),
-    ({"usd": {"drafter": "d", "drafterr": 1}}, r"unknown key 'drafterr'.*Valid keys: drafter, drafter_dtype"),
+    ({"usd": {"drafter": "d", "drafterr": 1}}, r"unknown key 'drafterr'.*Valid keys: drafter, drafter_runtime, drafter_gguf, drafter_dtype"),
     ({"usd": {"drafter": "d", "seed": "1"}}, r"usd\.seed must be int, got '1'"),
     ({"usd": {"drafter": "d", "pruned_head": 1}}, r"usd\.pruned_head must be bool"),
     ({"usd": {"drafter": "d", "seed": True}}, r"usd\.seed must be int"),

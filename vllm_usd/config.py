@@ -18,7 +18,11 @@ class UsdConfig:
     """Settings under ``additional_config={"usd": {...}}``.
 
     drafter:               local folder or hub id of the drafter (required).
-    drafter_dtype:         "float32" (default), "bfloat16", "float16" or "auto".
+    drafter_runtime:       "auto" (default: llama.cpp on the CPU when a GGUF is found, else transformers),
+                           "transformers" or "llama_cpp" (see vllm_usd/drafter/select.py).
+    drafter_gguf:          the drafter's GGUF file for llama.cpp (default: the one *.gguf in the drafter folder).
+    drafter_dtype:         transformers weight format: "auto" (default: the fastest measured on the
+                           device), "float32", "bfloat16", "float16", "int8" (CPU) or "config".
     drafter_revision:      hub revision of the drafter (model and tokenizer).
     drafter_max_model_len: cap on the drafter's context; requests past it get no drafts.
     draft_sampling:        "auto" drafts like the request samples; "greedy" always argmax.
@@ -33,7 +37,9 @@ class UsdConfig:
     """
 
     drafter: str
-    drafter_dtype: str = "float32"
+    drafter_runtime: str = "auto"
+    drafter_gguf: str | None = None
+    drafter_dtype: str = "auto"
     drafter_revision: str | None = None
     drafter_max_model_len: int | None = None
     draft_sampling: str = "auto"
@@ -49,6 +55,8 @@ class UsdConfig:
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "drafter": (str,),
+    "drafter_runtime": (str,),
+    "drafter_gguf": (str, type(None)),
     "drafter_dtype": (str,),
     "drafter_revision": (str, type(None)),
     "drafter_max_model_len": (int, type(None)),
@@ -63,7 +71,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "debug_digests": (bool,),
 }
 _CHOICES = {
-    "drafter_dtype": ("float32", "bfloat16", "float16", "auto"),
+    "drafter_runtime": ("auto", "transformers", "llama_cpp"),
+    "drafter_dtype": ("auto", "float32", "bfloat16", "float16", "int8", "config"),
     "draft_sampling": ("auto", "greedy"),
 }
 

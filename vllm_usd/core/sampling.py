@@ -37,6 +37,7 @@ class DraftSamplingParams:
     any_top_p: bool = False
     all_greedy: bool = False
     all_random: bool = False
+    greedy_rows: tuple[int, ...] = ()  # host copy of the greedy rows: no device sync to find them
 
     @classmethod
     def from_lists(
@@ -46,26 +47,29 @@ class DraftSamplingParams:
         top_p: list[float],
         greedy: list[bool],
         generators: list[torch.Generator | None] | None = None,
+        device: torch.device | str = "cpu",
     ) -> "DraftSamplingParams":
         b = len(temperature)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32),
-            top_k=torch.tensor(top_k, dtype=torch.long),
-            top_p=torch.tensor(top_p, dtype=torch.float32),
-            greedy=torch.tensor(greedy, dtype=torch.bool),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             generators=list(generators) if generators is not None else [None] * b,
             any_top_k=any(0 < k for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
             all_greedy=all(greedy),
             all_random=not any(greedy),
+            greedy_rows=tuple(i for i, g in enumerate(greedy) if g),
         )
 
     def select(self, rows: torch.Tensor) -> "DraftSamplingParams":
         idx = rows.tolist()
+        greedy = [i in set(self.greedy_rows) for i in idx]
         return DraftSamplingParams(
             self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows],
             [self.generators[i] for i in idx], self.any_top_k, self.any_top_p,
-            bool(self.greedy[rows].all()), not bool(self.greedy[rows].any()),
+            all(greedy), not any(greedy), tuple(j for j, g in enumerate(greedy) if g),
         )
 
 
@@ -84,7 +88,7 @@ def draft_distribution(logits: torch.Tensor, params: DraftSamplingParams) -> tor
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if params.any_top_k:
             k = torch.where((params.top_k <= 0) | (params.top_k > n), torch.full_like(params.top_k, n), params.top_k)
-            drop |= torch.arange(n).unsqueeze(0) >= k.unsqueeze(-1)
+            drop |= torch.arange(n, device=scaled.device).unsqueeze(0) >= k.unsqueeze(-1)
         if params.any_top_p:
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
@@ -113,7 +117,7 @@ def sample_drafts(
         return index, q
     q = draft_distribution(logits, params)
     index = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    greedy_rows = params.greedy.nonzero().squeeze(-1).tolist() if not params.all_random else []
+    greedy_rows = list(params.greedy_rows)
     is_greedy = set(greedy_rows)
     seeded = [i for i, g in enumerate(params.generators) if g is not None and i not in is_greedy]
     shared = [i for i, g in enumerate(params.generators) if g is None and i not in is_greedy]

@@ -36,7 +36,7 @@ def text_key(text: str) -> int:
 
 
 def position_generators(
-    keys: list[int], positions: list[int], seeded: list[bool], salt: int,
+    keys: list[int], positions: list[int], seeded: list[bool], salt: int, device: torch.device | str = "cpu",
 ) -> tuple[list[torch.Generator | None], torch.Generator]:
     """Generators for one draft position of a batch, from keys and positions only.
 
@@ -44,14 +44,15 @@ def position_generators(
     else from its request id. positions[b]: the absolute position being drafted.
     A seeded row gets its own generator seeded by (key, position), so its drafts
     do not depend on the rest of the batch. The other rows share one generator,
-    seeded by ``salt`` and every unseeded row's (key, position).
+    seeded by ``salt`` and every unseeded row's (key, position). Generators live on
+    ``device``, where the draws happen.
     """
     per_row: list[torch.Generator | None] = []
     shared_parts = [salt]
     for key, pos, own in zip(keys, positions, seeded):
         if own:
-            per_row.append(torch.Generator().manual_seed(mix_seed(key, pos)))
+            per_row.append(torch.Generator(device=device).manual_seed(mix_seed(key, pos)))
         else:
             per_row.append(None)
             shared_parts += (key, pos)
-    return per_row, torch.Generator().manual_seed(mix_seed(*shared_parts))
+    return per_row, torch.Generator(device=device).manual_seed(mix_seed(*shared_parts))

@@ -21,6 +21,8 @@ class DrafterRuntime(ABC):
     num_outputs: int
     #: the longest drafter sequence a request may reach.
     max_len: int
+    #: where ``forward`` returns its logits (the drafter's weights and KV live there too).
+    device: torch.device = torch.device("cpu")
 
     @abstractmethod
     def set_output_rows(self, rows: torch.Tensor) -> None:

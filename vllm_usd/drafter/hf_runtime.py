@@ -63,11 +63,14 @@ class HFDrafterRuntime(DrafterRuntime):
         self.max_len = min(max_len, int(getattr(cfg, "max_position_embeddings", max_len) or max_len))
         self._max_requests = max_requests
         self._budget = kv_budget_bytes
-        self._dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self._dtype, self.device = first.dtype, first.device
+        # int8 bodies keep float activations; their pruned head runs in bfloat16 (half the bytes to read)
+        self._head_dtype = torch.bfloat16 if getattr(model, "vllm_usd_int8", None) else self._dtype
         self._bytes_per_token = self._num_layers * 2 * self._kv_heads * self._head_dim * self._dtype.itemsize
         self._base = getattr(model, model.base_model_prefix)
         head = model.get_output_embeddings()
-        self._head_weight = head.weight
+        self._head_weight = head.weight.to(self._head_dtype)
         self._head_bias = getattr(head, "bias", None)
         self.num_outputs = self._head_weight.shape[0]
 
@@ -82,7 +85,9 @@ class HFDrafterRuntime(DrafterRuntime):
     @property
     def param_bytes(self) -> int:
         """The drafter's weights in memory (every tensor-parallel rank holds a full copy)."""
-        return sum(t.numel() * t.element_size() for t in self.model.parameters())
+        from vllm_usd.drafter.weight_formats import weight_bytes
+
+        return weight_bytes(self.model)
 
     @property
     def kv_bytes(self) -> int:
@@ -106,8 +111,8 @@ class HFDrafterRuntime(DrafterRuntime):
             else:
                 return False
         shape = (new_slots, self._kv_heads, new_len, self._head_dim)
-        k = [torch.zeros(shape, dtype=self._dtype) for _ in range(self._num_layers)]
-        v = [torch.zeros(shape, dtype=self._dtype) for _ in range(self._num_layers)]
+        k = [torch.zeros(shape, dtype=self._dtype, device=self.device) for _ in range(self._num_layers)]
+        v = [torch.zeros(shape, dtype=self._dtype, device=self.device) for _ in range(self._num_layers)]
         n, m = len(self._req_at), min(self._len_cap, new_len)
         for layer in range(len(self._k)):
             k[layer][:n, :, :m] = self._k[layer][:n, :, :m]
@@ -119,9 +124,10 @@ class HFDrafterRuntime(DrafterRuntime):
     # -- requests ------------------------------------------------------------------
     def set_output_rows(self, rows: torch.Tensor) -> None:
         full = self.model.get_output_embeddings()
-        self._head_weight = full.weight.index_select(0, rows).contiguous()
+        rows = rows.to(self.device)
+        self._head_weight = full.weight.index_select(0, rows).to(self._head_dtype).contiguous()
         bias = getattr(full, "bias", None)
-        self._head_bias = bias.index_select(0, rows) if bias is not None else None
+        self._head_bias = bias.index_select(0, rows).to(self._head_dtype) if bias is not None else None
         self.num_outputs = int(rows.numel())
 
     def add(self, req_id: str) -> bool:
@@ -164,7 +170,7 @@ class HFDrafterRuntime(DrafterRuntime):
     @torch.inference_mode()
     def forward(self, req_ids: Sequence[str], keep: Sequence[int],
                 new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        out = torch.empty(len(req_ids), self.num_outputs, dtype=torch.float32)
+        out = torch.empty(len(req_ids), self.num_outputs, dtype=torch.float32, device=self.device)
         long_rows = [i for i, t in enumerate(new_tokens) if len(t) > PREFILL_SPLIT]
         short_rows = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_SPLIT]
         for i in long_rows:
@@ -173,7 +179,7 @@ class HFDrafterRuntime(DrafterRuntime):
             if len(short_rows) == len(req_ids):
                 out[:] = self._run(req_ids, keep, new_tokens)
             else:
-                out[torch.tensor(short_rows)] = self._run(
+                out[torch.tensor(short_rows, device=self.device)] = self._run(
                     [req_ids[i] for i in short_rows], [keep[i] for i in short_rows],
                     [new_tokens[i] for i in short_rows])
         return out
@@ -199,14 +205,15 @@ class HFDrafterRuntime(DrafterRuntime):
         if not self._grow(self._slot_cap, max(st + t_max for st in starts)):
             raise MemoryError("drafter KV budget exhausted")
 
-        start_t = torch.tensor(starts, dtype=torch.long)
-        pos = start_t.unsqueeze(1) + torch.arange(t_max).unsqueeze(0)  # [R, T]
-        key_len = int(pos.max()) + 1
-        kpos = torch.arange(key_len)
+        dev = self.device
+        key_len = max(starts) + t_max
+        tokens = tokens.to(dev, non_blocking=True)
+        pos = torch.tensor(starts, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t_max, device=dev)  # [R, T]
+        kpos = torch.arange(key_len, device=dev)
         allowed = kpos.view(1, 1, 1, -1) <= pos.view(rows_n, 1, t_max, 1)  # causal within each row
-        full = torch.zeros(allowed.shape, dtype=self._dtype).masked_fill_(~allowed, torch.finfo(self._dtype).min)
+        full = torch.zeros(allowed.shape, dtype=self._dtype, device=dev).masked_fill_(~allowed, torch.finfo(self._dtype).min)
         batch = SlotBatch(full=full, qpos=pos, kpos=kpos, sliding={})
-        rows = torch.arange(lo, hi).unsqueeze(1).expand(rows_n, t_max)
+        rows = torch.arange(lo, hi, device=dev).unsqueeze(1).expand(rows_n, t_max)
         cache = _SlotCacheView(self, lo, hi, rows, pos, key_len)
 
         with batch_masks(batch):
@@ -215,10 +222,10 @@ class HFDrafterRuntime(DrafterRuntime):
                 past_key_values=cache, use_cache=True,
             ).last_hidden_state  # [R, T, hidden]
         # the last new token of each requested row
-        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long)
-        sel_cols = torch.tensor([len(t) - 1 for t in new_tokens], dtype=torch.long)
-        last = hidden[sel_rows, sel_cols]  # [B, hidden]
-        logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()
+        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
+        sel_cols = torch.tensor([len(t) - 1 for t in new_tokens], dtype=torch.long, device=dev)
+        last = hidden[sel_rows, sel_cols].to(self._head_dtype)  # [B, hidden]
+        logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()  # [B, num_outputs]
         if self._final_softcap:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
 

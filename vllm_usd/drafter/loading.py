@@ -13,10 +13,9 @@ class DrafterLoadError(ValueError):
     pass
 
 
-def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = None,
-                 trust_remote_code: bool = False):
-    """Load (model, tokenizer) with clear, single-line errors."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def read_drafter(path: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The drafter's (config, tokenizer), with clear single-line errors; loads no weights."""
+    from transformers import AutoConfig, AutoTokenizer
 
     where = f"additional_config.usd.drafter = {path!r}"
     if os.path.sep in path and not os.path.exists(path):
@@ -41,8 +40,24 @@ def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = No
         ) from exc
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise DrafterLoadError(f"vllm-usd: the drafter's tokenizer has no tokenizer.json (fast tokenizer) ({where}).")
+    return config, tokenizer
+
+
+def load_drafter_model(path: str, config, *, dtype: str = "float32", revision: str | None = None,
+                       trust_remote_code: bool = False, device: str | torch.device = "cpu"):
+    """The drafter as a transformers causal LM on ``device``, with vllm-usd's slot attention.
+
+    dtype: "float32", "bfloat16", "float16", "config" (the checkpoint's own), or "int8"
+    (dynamic int8 linear layers, CPU only; see weight_formats.py).
+    """
+    from transformers import AutoModelForCausalLM
+
+    where = f"additional_config.usd.drafter = {path!r}"
     register_attention()
-    torch_dtype = getattr(config, "torch_dtype", None) if dtype == "auto" else getattr(torch, dtype)
+    if dtype == "config":
+        torch_dtype = getattr(config, "torch_dtype", None)
+    else:
+        torch_dtype = torch.float32 if dtype == "int8" else getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype,
@@ -56,4 +71,17 @@ def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = No
         raise DrafterLoadError(f"vllm-usd: cannot load the drafter's weights ({where}): {str(exc).splitlines()[0]}") from exc
     model.eval()
     model.requires_grad_(False)
+    model.to(device)
+    if dtype == "int8":
+        from vllm_usd.drafter.weight_formats import quantize_int8
+
+        model = quantize_int8(model)
+    return model
+
+
+def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = None,
+                 trust_remote_code: bool = False):
+    """Load (model, tokenizer) on the CPU with clear, single-line errors."""
+    config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
+    model = load_drafter_model(path, config, dtype=dtype, revision=revision, trust_remote_code=trust_remote_code)
     return model, tokenizer

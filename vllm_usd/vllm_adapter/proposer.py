@@ -17,7 +17,7 @@ import torch
 
 from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
-from vllm_usd.drafter import HFDrafterRuntime, load_drafter
+from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import DraftBatch, DraftRows, IntersectionDrafting, PhaseTimer, RequestTable, StepDigests
 from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
@@ -43,22 +43,22 @@ class UniversalProposer:
             trust = compat.target_trusts_remote_code(vllm_config)
 
         started = time.perf_counter()
-        model, self.draft_tokenizer = load_drafter(
-            self.config.drafter, dtype=self.config.drafter_dtype,
-            revision=self.config.drafter_revision, trust_remote_code=trust,
+        cfg = self.config
+        self.choice = choose(cfg.drafter, runtime=cfg.drafter_runtime, dtype=cfg.drafter_dtype,
+                             gguf=cfg.drafter_gguf, device=compat.worker_device(vllm_config))
+        opened = open_drafter(
+            cfg.drafter, self.choice, max_len=self._drafter_max_len(vllm_config),
+            max_requests=cfg.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
+            kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
+            revision=cfg.drafter_revision, trust_remote_code=trust,
         )
+        self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
         self.pair = DraftPair.build(
             compat.load_target_tokenizer(vllm_config), self.draft_tokenizer,
-            target_vocab_size=self.target_vocab_size,
-            draft_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-            min_share=self.config.min_intersection,
+            target_vocab_size=self.target_vocab_size, draft_vocab_size=opened.vocab_size,
+            min_share=cfg.min_intersection,
         )
         self.mapping = self.pair.mapping
-        self.runtime = HFDrafterRuntime(
-            model, max_len=self.config.drafter_max_model_len or 1 << 30,
-            max_requests=self.config.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
-            kv_budget_bytes=int(self.config.drafter_kv_budget_gb * (1 << 30)),
-        )
         self.timer = PhaseTimer(self.config.profile)
         self.requests = RequestTable(self.pair, self.runtime, k=self.k,
                                      always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed)
@@ -66,19 +66,27 @@ class UniversalProposer:
                                              pruned_head=self.config.pruned_head, timer=self.timer)
         self.rank = compat.tp_rank()
         self._digests = StepDigests()
-        self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids)
+        self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device)
         self._last_q: torch.Tensor | None = None
         self._runner = None
         self._scheduler_output = None
         self._last_end: float | None = None
         self._warned: set[str] = set()
         logger.info(
-            "vllm-usd: drafter %s ready in %.1fs: %d shared tokens (%.1f%% of the drafter's %d, "
+            "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
             "%d matched by bytes only), k=%d, draft_sampling=%s",
-            self.config.drafter, time.perf_counter() - started, self.mapping.size,
+            self.config.drafter, time.perf_counter() - started, self.choice.runtime, self.choice.dtype,
+            self.choice.device, self.mapping.size,
             100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
             self.mapping.byte_only_matches, self.k, self.config.draft_sampling,
         )
+
+    def _drafter_max_len(self, vllm_config: Any) -> int:
+        """The longest drafter context to hold: the setting, else twice the target's (tokenizers differ)."""
+        if self.config.drafter_max_model_len:
+            return self.config.drafter_max_model_len
+        target = compat.target_max_model_len(vllm_config)
+        return 2 * target + self.k if target else 1 << 30
 
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
@@ -117,6 +125,8 @@ class UniversalProposer:
             "request_states": len(self.requests), "drafter_requests": self.runtime.num_requests,
             "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
+            "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
+            "drafter_device": self.choice.device,
         }
 
     # -- one step ------------------------------------------------------------------------------

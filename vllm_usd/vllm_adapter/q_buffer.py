@@ -12,10 +12,12 @@ class DraftProbsBuffer:
     from allocation on: each step costs O(rows * k * n), not O(rows * k * V).
     """
 
-    def __init__(self, k: int, target_vocab_size: int, target_ids: torch.Tensor) -> None:
+    def __init__(self, k: int, target_vocab_size: int, target_ids: torch.Tensor,
+                 device: torch.device | str = "cpu") -> None:
         self.k = k
         self.vocab = target_vocab_size
-        self._cols = target_ids.unsqueeze(0)  # [1, n]
+        self.device = torch.device(device)
+        self._cols = target_ids.to(self.device).unsqueeze(0)  # [1, n]
         self._buf: torch.Tensor | None = None
 
     @property
@@ -27,7 +29,7 @@ class DraftProbsBuffer:
         buf = self._buf
         if buf is None or buf.shape[0] < num_rows:
             cap = max(num_rows, 2 * (buf.shape[0] if buf is not None else 4))
-            buf = torch.zeros(cap, self.k, self.vocab, dtype=torch.float32)
+            buf = torch.zeros(cap, self.k, self.vocab, dtype=torch.float32, device=self.device)
             self._buf = buf
         cols = self._cols[0]
         first = rows[0]

@@ -1,0 +1,147 @@
+"""The drafter's decode step alone, per runtime and weight format, against its weight-read limit. No vLLM.
+
+    .venv/bin/python benchmarks/drafter_step.py                   # SmolLM2-135M of the demo pair
+    .venv/bin/python benchmarks/drafter_step.py --drafter DIR --batches 1 8 32 --out r.json
+
+For each format (transformers float32 / bfloat16 / int8 on the CPU, float32 / bfloat16 /
+float16 on CUDA; llama.cpp on the drafter's GGUF) and batch size, B requests hold a
+64-token context; one step drafts one token for each (one forward over B new tokens
+with the logits of the intersection-sized pruned head), and is rolled back so the
+context stays 64 long. The figure is the median of ``--steps`` steps after a warm-up.
+
+The limit: a batch-1 decode step must read every weight once, so it cannot beat
+(bytes of weights read per forward) / (memory bandwidth). The bandwidth is measured
+here, by copying a large tensor (bytes read + bytes written, over the time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONTEXT = 64
+PRUNED_ROWS = 46_000  # about the real pair's intersection: the head the step multiplies
+
+
+def memory_bandwidth(device: str, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    n = int(gib * (1 << 30)) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * 4 / best
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def head_rows(vocab: int) -> torch.Tensor:
+    return torch.arange(min(PRUNED_ROWS, vocab))
+
+
+def step_times(runtime, batch: int, steps: int, device: str) -> list[float]:
+    ids = [f"r{i}" for i in range(batch)]
+    for r in ids:
+        assert runtime.add(r)
+    prompt = [[(7 * i + j) % 1000 + 10 for j in range(CONTEXT)] for i in range(batch)]
+    runtime.forward(ids, [0] * batch, prompt)
+    times = []
+    for s in range(steps + 3):
+        new = [[(s * 13 + i) % 1000 + 10] for i in range(batch)]
+        _sync(device)
+        start = time.perf_counter()
+        runtime.forward(ids, [CONTEXT] * batch, new)  # roll back the last step's token, decode one
+        _sync(device)
+        if s >= 3:
+            times.append(time.perf_counter() - start)
+    for r in ids:
+        runtime.free(r)
+    return times
+
+
+def weight_bytes_read(runtime, fmt: str) -> int:
+    """Weights one forward reads: every layer, plus the pruned head (llama.cpp: its whole model)."""
+    if fmt == "gguf":
+        return runtime.param_bytes
+    model = runtime.model
+    embed = model.get_input_embeddings().weight
+    head = runtime._head_weight
+    # the input embedding is gathered (a row per token), not read; a tied head is counted once, pruned
+    return runtime.param_bytes - embed.numel() * embed.element_size() + head.numel() * head.element_size()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--drafter", help="drafter folder (default: the demo pair's SmolLM2-135M-Instruct)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--formats", nargs="+", help="default: every format the device runs")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    from vllm_usd.drafter.select import DrafterChoice, find_gguf, open_drafter
+
+    drafter = args.drafter
+    if drafter is None:
+        from vllm_usd.demo_pair import ensure_smollm2
+
+        drafter = ensure_smollm2()
+    on_cpu = torch.device(args.device).type == "cpu"
+    formats = args.formats or (["float32", "bfloat16", "int8", "gguf"] if on_cpu else ["float32", "bfloat16", "float16"])
+    bandwidth = memory_bandwidth(args.device)
+    rows = []
+    for fmt in formats:
+        if fmt == "gguf":
+            gguf = find_gguf(drafter, None)
+            if gguf is None:
+                print(f"skip gguf: no GGUF in {drafter}", file=sys.stderr)
+                continue
+            choice = DrafterChoice("llama_cpp", "gguf", "cpu", gguf)
+        else:
+            choice = DrafterChoice("transformers", fmt, args.device)
+        opened = open_drafter(drafter, choice, max_len=CONTEXT + 8, max_requests=max(args.batches),
+                              kv_budget_bytes=1 << 31)
+        runtime = opened.runtime
+        runtime.set_output_rows(head_rows(opened.vocab_size))
+        read = weight_bytes_read(runtime, fmt)
+        limit = read / bandwidth
+        for batch in args.batches:
+            times = step_times(runtime, batch, args.steps, args.device)
+            median = statistics.median(times)
+            row = {"format": fmt, "runtime": choice.runtime, "device": choice.device, "batch": batch,
+                   "step_ms": 1000 * median, "step_ms_p10": 1000 * sorted(times)[len(times) // 10],
+                   "weight_bytes_read": read, "read_limit_ms": 1000 * limit, "vs_limit": median / limit,
+                   "threads": getattr(runtime, "threads", torch.get_num_threads())}
+            rows.append(row)
+            print(f"{fmt:>9} {choice.runtime:>12} b={batch:<3} {row['step_ms']:7.1f} ms/step "
+                  f"(limit {row['read_limit_ms']:.1f} ms, {row['vs_limit']:.2f}x)", flush=True)
+        del runtime, opened
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "drafter": drafter,
+              "device": args.device, "bandwidth_gb_s": bandwidth / 1e9, "context": CONTEXT,
+              "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "rows": rows}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

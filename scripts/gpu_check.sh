@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The vLLM-free GPU check: the drafter runtime, q and step times on cuda (or the CPU when
+# there is none), one JSON line. Needs torch, transformers and tokenizers, not vLLM.
+#   bash scripts/gpu_check.sh [cuda|cpu]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
+exec "$PY" scripts/gpu_check.py "$@"

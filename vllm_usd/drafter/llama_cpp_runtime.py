@@ -1,0 +1,215 @@
+"""A drafter runtime on llama.cpp (``llama-cpp-python``): the CPU fast path for quantized GGUF drafters.
+
+Batch-1 decoding of a small drafter on a CPU is bound by reading its weights;
+llama.cpp reads them at 4-8 bits with hand-written kernels. Every request is
+a llama.cpp sequence with its own KV stream (``kv_unified=False``), so one
+``llama_decode`` call drafts for the whole batch, a rejected draft is rolled
+back with ``llama_memory_seq_rm``, and attention never spans other requests.
+Only the logits columns the caller asked for (the intersection) are copied out.
+
+The drafter's ids are the GGUF vocabulary's, which must be the vocabulary of
+the Hugging Face tokenizer used for the mapping (checked at load).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_usd.drafter.base import DrafterRuntime
+
+# tokens per llama_decode call; a longer call (a prompt) is split into chunks of this size
+BATCH_TOKENS = 512
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+KV_BYTES_PER_ELEMENT = 2  # llama.cpp's default f16 KV cache
+_backend_ready = False
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def cpu_threads() -> int:
+    """The CPUs this process may run on (under TP each rank is pinned to its own)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class LlamaCppDrafterRuntime(DrafterRuntime):
+    """A GGUF drafter in llama.cpp, one KV stream per request."""
+
+    def __init__(self, gguf_path: str, *, vocab_size: int, kv_bytes_per_token: int, max_len: int,
+                 max_requests: int, kv_budget_bytes: int, threads: int | None = None) -> None:
+        import llama_cpp
+        from llama_cpp import _logger
+
+        global _backend_ready
+        _logger.set_verbose(False)
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+        self._ll = llama_cpp
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), mparams)
+        if not model:
+            raise ValueError(f"vllm-usd: llama.cpp cannot load the drafter GGUF {gguf_path!r}")
+        self._model = model
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        if self._n_vocab > vocab_size:
+            raise ValueError(
+                f"vllm-usd: the drafter GGUF {gguf_path!r} has {self._n_vocab} tokens but the drafter's tokenizer "
+                f"and config have {vocab_size}: they are not the same model. Point usd.drafter_gguf at the GGUF "
+                "the drafter folder was converted from, or set usd.drafter_runtime = \"transformers\"."
+            )
+        # sequences and the length each may reach, within the KV budget
+        n_seq = max(1, min(max_requests, MAX_SEQUENCES))
+        per_seq = max(256, min(max_len, int(llama_cpp.llama_model_n_ctx_train(model)) or max_len))
+        while n_seq * per_seq * kv_bytes_per_token > kv_budget_bytes and per_seq > 256:
+            per_seq = max(256, per_seq // 2)
+        while n_seq * per_seq * kv_bytes_per_token > kv_budget_bytes and n_seq > 1:
+            n_seq //= 2
+        self.max_len = per_seq
+        self._max_requests = n_seq
+        self._kv_bytes = n_seq * per_seq * kv_bytes_per_token
+        threads = threads or cpu_threads()
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_seq * per_seq
+        cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = False  # one KV stream per sequence
+        cparams.swa_full = True  # sliding-window layers keep every position, so rollback works
+        cparams.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise ValueError(f"vllm-usd: llama.cpp cannot make a context for {n_seq} sequences x {per_seq} tokens")
+        self._ctx = ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, 1)
+        self._param_bytes = int(llama_cpp.llama_model_size(model))
+        self._cols: np.ndarray | None = None  # logits columns to return (None: all, padded to vocab_size)
+        self.num_outputs = vocab_size
+        self._vocab_size = vocab_size
+        self._seq_of: dict[str, int] = {}
+        self._free_seqs = list(range(n_seq - 1, -1, -1))
+        self._tokens: dict[str, list[int]] = {}
+        self.threads = threads
+
+    def close(self) -> None:
+        """Free the llama.cpp batch, context and model (also on garbage collection)."""
+        ll = getattr(self, "_ll", None)
+        if ll is None or getattr(ll, "llama_free", None) is None:  # interpreter shutting down
+            return
+        if getattr(self, "_batch", None) is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to do about it at collection time
+            pass
+
+    # -- capacity and requests -----------------------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        return self._param_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._kv_bytes
+
+    def set_output_rows(self, rows: torch.Tensor) -> None:
+        self._cols = rows.to(torch.long).cpu().numpy()
+        self.num_outputs = int(rows.numel())
+
+    def add(self, req_id: str) -> bool:
+        if req_id in self._seq_of:
+            return True
+        if not self._free_seqs:
+            return False
+        seq = self._free_seqs.pop()
+        self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._seq_of[req_id] = seq
+        self._tokens[req_id] = []
+        return True
+
+    def free(self, req_id: str) -> None:
+        seq = self._seq_of.pop(req_id, None)
+        if seq is None:
+            return
+        self._tokens.pop(req_id, None)
+        self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._free_seqs.append(seq)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._seq_of
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seq_of)
+
+    def cached_tokens(self, req_id: str) -> list[int]:
+        return self._tokens[req_id]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, req_ids: Sequence[str], keep: Sequence[int],
+                new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Roll each request back to ``keep[i]`` tokens, append ``new_tokens[i]``; logits after the last."""
+        ll = self._ll
+        entries: list[tuple[int, int, int, int]] = []  # (token, position, sequence, output row or -1)
+        for row, (req_id, k, new) in enumerate(zip(req_ids, keep, new_tokens)):
+            seq = self._seq_of[req_id]
+            toks = self._tokens[req_id]
+            if k + len(new) > self.max_len:
+                raise ValueError("drafter context full")
+            if k < len(toks):
+                if not ll.llama_memory_seq_rm(self._mem, seq, k, -1):
+                    raise RuntimeError(f"vllm-usd: llama.cpp cannot roll sequence {seq} back to {k} tokens")
+                del toks[k:]
+            last = len(new) - 1
+            entries += [(int(t), k + j, seq, row if j == last else -1) for j, t in enumerate(new)]
+            toks.extend(int(t) for t in new)
+        out = torch.full((len(req_ids), self.num_outputs), float("-inf"))  # [B, num_outputs]
+        for start in range(0, len(entries), BATCH_TOKENS):
+            self._decode(entries[start:start + BATCH_TOKENS], out)
+        return out
+
+    def _decode(self, chunk: list[tuple[int, int, int, int]], out: torch.Tensor) -> None:
+        ll, batch = self._ll, self._batch
+        n = len(chunk)
+        arr = np.asarray(chunk, dtype=np.int64)  # [n, 4]
+        np.ctypeslib.as_array(batch.token, shape=(BATCH_TOKENS,))[:n] = arr[:, 0]
+        np.ctypeslib.as_array(batch.pos, shape=(BATCH_TOKENS,))[:n] = arr[:, 1]
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(BATCH_TOKENS,))[:n] = 1
+        np.ctypeslib.as_array(batch.logits, shape=(BATCH_TOKENS,))[:n] = arr[:, 3] >= 0
+        seq_ids = batch.seq_id
+        for i, seq in enumerate(arr[:, 2].tolist()):
+            seq_ids[i][0] = seq
+        batch.n_tokens = n
+        rc = ll.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"vllm-usd: llama_decode failed ({rc}) on {n} tokens")
+        rows = arr[arr[:, 3] >= 0, 3]
+        if rows.size == 0:
+            return
+        logits = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(rows.size, self._n_vocab))
+        picked = torch.from_numpy(np.ascontiguousarray(logits if self._cols is None else logits[:, self._cols]))
+        out[torch.from_numpy(rows), : picked.shape[1]] = picked

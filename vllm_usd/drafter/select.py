@@ -1,0 +1,107 @@
+"""Which drafter runtime and weight format to run, and opening it.
+
+``usd.drafter_runtime``:
+- ``"llama_cpp"``: the drafter's GGUF in llama.cpp (CPU only).
+- ``"transformers"``: the drafter folder in transformers, on the worker's device.
+- ``"auto"`` (default): llama.cpp on the CPU when ``llama-cpp-python`` is installed and a
+  GGUF is found (``usd.drafter_gguf``, or a single ``*.gguf`` file in the drafter folder);
+  otherwise transformers.
+
+``usd.drafter_dtype`` (transformers only): ``"auto"`` (default) takes the format measured
+fastest on the device (``AUTO_DTYPE``, from benchmarks/drafter_step.py), or one of
+``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` (CPU), ``"config"``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafter.loading import DrafterLoadError, load_drafter_model, read_drafter
+
+# What benchmarks/drafter_step.py measured fastest for the transformers runtime, per device type.
+AUTO_DTYPE = {"cpu": "bfloat16", "cuda": "bfloat16"}
+RUNTIMES = ("auto", "transformers", "llama_cpp")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "config")
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    runtime: str  # "transformers" or "llama_cpp"
+    dtype: str  # the transformers weight format, or "gguf"
+    device: str
+    gguf: str | None = None
+
+
+def find_gguf(path: str, gguf: str | None) -> str | None:
+    """The drafter's GGUF: the one named, else the only ``*.gguf`` in the drafter folder."""
+    if gguf:
+        if not os.path.isfile(gguf):
+            raise DrafterLoadError(f"vllm-usd: usd.drafter_gguf = {gguf!r} is not a file. Point it at the drafter's GGUF.")
+        return gguf
+    found = sorted(glob.glob(os.path.join(path, "*.gguf"))) if os.path.isdir(path) else []
+    return found[0] if len(found) == 1 else None
+
+
+def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str | None = None,
+           device: str = "cpu") -> DrafterChoice:
+    """Decide the runtime and format from the settings, the device and what is installed."""
+    from vllm_usd.drafter.llama_cpp_runtime import llama_cpp_available
+
+    on_cpu = torch.device(device).type == "cpu"
+    if runtime in ("auto", "llama_cpp"):
+        found = find_gguf(path, gguf)
+        usable = on_cpu and found is not None and llama_cpp_available()
+        if usable:
+            return DrafterChoice("llama_cpp", "gguf", "cpu", found)
+        if runtime == "llama_cpp":
+            why = ("it runs on the CPU only" if not on_cpu else
+                   "no GGUF was found: set usd.drafter_gguf" if found is None else
+                   "llama-cpp-python is not installed: pip install 'vllm-usd[llamacpp]'")
+            raise DrafterLoadError(f"vllm-usd: usd.drafter_runtime = \"llama_cpp\" cannot run: {why}.")
+    if dtype == "auto":
+        dtype = AUTO_DTYPE.get(torch.device(device).type, "float32")
+    if dtype == "int8" and not on_cpu:
+        raise DrafterLoadError("vllm-usd: usd.drafter_dtype = \"int8\" runs on the CPU only; use \"bfloat16\" on a GPU.")
+    return DrafterChoice("transformers", dtype, str(device))
+
+
+def kv_bytes_per_token(config: Any, element_bytes: int) -> int:
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * heads * head_dim * element_bytes
+
+
+@dataclass
+class OpenedDrafter:
+    runtime: DrafterRuntime
+    tokenizer: Any
+    vocab_size: int  # the drafter's logits width
+    choice: DrafterChoice
+
+
+def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests: int, kv_budget_bytes: int,
+                 revision: str | None = None, trust_remote_code: bool = False) -> OpenedDrafter:
+    """Load the drafter as ``choice`` says and wrap it in its runtime."""
+    config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if choice.runtime == "llama_cpp":
+        from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime
+
+        vocab_size = int(text_config.vocab_size)
+        runtime: DrafterRuntime = LlamaCppDrafterRuntime(
+            choice.gguf, vocab_size=vocab_size, kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT),
+            max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes)
+        return OpenedDrafter(runtime, tokenizer, vocab_size, choice)
+    from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
+
+    model = load_drafter_model(path, config, dtype=choice.dtype, revision=revision,
+                               trust_remote_code=trust_remote_code, device=choice.device)
+    runtime = HFDrafterRuntime(model, max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes)
+    return OpenedDrafter(runtime, tokenizer, int(model.get_output_embeddings().weight.shape[0]), choice)
