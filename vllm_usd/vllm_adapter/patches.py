@@ -1,6 +1,9 @@
 """Every change vllm-usd makes to vLLM, listed in ``PATCHES`` and applied by ``apply``.
 
-Each patch is idempotent and applies only on a supported vLLM.
+Each patch is idempotent, and names the vLLM functions it relies on (keys of
+``fingerprints.FUNCTIONS``). It applies only when each of them matches the
+fingerprint of a vLLM release vllm-usd was checked against; otherwise
+``apply`` raises one line naming the function that changed.
 
 - ``runner_hook``: wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU
   runner inherits it). Before the call it hands the runner and the scheduler
@@ -17,11 +20,17 @@ Each patch is idempotent and applies only on a supported vLLM.
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
-from vllm_usd.vllm_adapter.compat import require_supported
+from vllm_usd import envs
+from vllm_usd.vllm_adapter import fingerprints
+from vllm_usd.vllm_adapter.compat import UnsupportedVllmVersion
+
+logger = logging.getLogger("vllm.usd")
 
 _applied: set[str] = set()
 
@@ -104,17 +113,67 @@ def install_cpu_expand_fix() -> bool:
 
 
 # --- the list ----------------------------------------------------------------------------------
-PATCHES: dict[str, Callable[[], bool]] = {
-    "runner_hook": install_runner_hook,
-    "cpu_expand_fix": install_cpu_expand_fix,
+@dataclass(frozen=True)
+class Patch:
+    install: Callable[[], bool]  # True when in force, False where it does not apply
+    needs: tuple[str, ...]  # the vLLM functions (fingerprints.FUNCTIONS keys) it relies on
+    applies: Callable[[], bool] = lambda: True  # checked before the fingerprints
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+PATCHES: dict[str, Patch] = {
+    # the hook wraps propose_draft_token_ids and fills what _get_spec_decode_draft_probs reads; the proposer
+    # it serves is built by the custom-class loader
+    "runner_hook": Patch(install_runner_hook, ("GPUModelRunner.propose_draft_token_ids",
+                                               "GPUModelRunner._get_spec_decode_draft_probs",
+                                               "create_custom_proposer")),
+    "cpu_expand_fix": Patch(install_cpu_expand_fix, ("expand_batch_to_tokens",), applies=_on_cpu),
 }
 
 
+def _root(root=None):
+    root = fingerprints.installed_root() if root is None else root
+    if root is None:
+        raise UnsupportedVllmVersion("vllm-usd: vLLM is not installed. Install `vllm-usd[cpu]` or `vllm-usd[cuda]`.")
+    return root
+
+
+def check(name: str, root=None) -> list[fingerprints.FunctionCheck]:
+    """The fingerprint check of every function patch ``name`` needs, in the installed vLLM or ``root``."""
+    return fingerprints.check(_root(root), PATCHES[name].needs)
+
+
+def refusal(name: str, root=None) -> str | None:
+    """Why patch ``name`` may not be applied (one line), or None when it may."""
+    root = _root(root)
+    line = fingerprints.refusal(check(name, root), f"patch {name} (vLLM {fingerprints.source_version(root)})")
+    if line is not None and envs.skip_fingerprints():
+        logger.warning("vllm-usd: %s=1: applying patch %s to code vllm-usd was not checked against. %s",
+                       envs.SKIP_FINGERPRINTS, name, line)
+        return None
+    return line
+
+
 def apply(names: Iterable[str]) -> frozenset[str]:
-    """Apply the named patches (each once) on a supported vLLM; returns the ones in force."""
-    require_supported()
+    """Apply the named patches (each once) where their fingerprints match; returns the ones in force.
+
+    Raises UnsupportedVllmVersion, one line naming the changed function, when one does not match.
+    """
     for name in names:
-        if name not in _applied and PATCHES[name]():
+        if name in _applied:
+            continue
+        patch = PATCHES[name]
+        if not patch.applies():
+            continue
+        line = refusal(name)
+        if line is not None:
+            raise UnsupportedVllmVersion(line)
+        if patch.install():
             _applied.add(name)
     return applied()
 
