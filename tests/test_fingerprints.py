@@ -76,7 +76,7 @@ def test_an_altered_function_is_refused_by_name(tree):
     assert "GPUModelRunner._get_spec_decode_draft_probs (vllm/v1/worker/gpu_model_runner.py) changed" in line
     assert "patch runner_hook" in line and "0.32.0, 0.33.0" in line
     assert "propose_draft_token_ids" not in line
-    assert patches.refusal("cpu_expand_fix", tree) is None
+    assert patches.refusal("cpu_expand_fix", tree) is None and patches.refusal("frontend_check", tree) is None
 
 
 @pytest.mark.parametrize("how", ["renamed", "file_deleted"])
@@ -116,7 +116,7 @@ def test_register_warns_names_the_function_and_stays_inactive(tree, use_tree, mo
     with caplog.at_level(logging.INFO, logger="vllm.usd"):
         plugin.register()
         plugin.register()  # re-entrant: nothing twice
-    assert installed == [], "the runner hook's functions do not match"
+    assert installed == ["frontend_check"], "only the patch whose functions match"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("_get_spec_decode_draft_probs" in w and "patch runner_hook" in w for w in warnings), warnings
     assert any("stays inactive" in w for w in warnings), warnings

@@ -13,10 +13,9 @@ class DrafterLoadError(ValueError):
     pass
 
 
-def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = None,
-                 trust_remote_code: bool = False):
-    """Load (model, tokenizer) with clear, single-line errors."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_drafter_config_and_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False):
+    """The drafter's (config, tokenizer), without its weights, with the same one-line errors as ``load_drafter``."""
+    from transformers import AutoConfig, AutoTokenizer
 
     where = f"additional_config.usd.drafter = {path!r}"
     if os.path.sep in path and not os.path.exists(path):
@@ -41,6 +40,16 @@ def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = No
         ) from exc
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise DrafterLoadError(f"vllm-usd: the drafter's tokenizer has no tokenizer.json (fast tokenizer) ({where}).")
+    return config, tokenizer
+
+
+def load_drafter(path: str, *, dtype: str = "float32", revision: str | None = None,
+                 trust_remote_code: bool = False):
+    """Load (model, tokenizer) with clear, single-line errors."""
+    from transformers import AutoModelForCausalLM
+
+    where = f"additional_config.usd.drafter = {path!r}"
+    config, tokenizer = load_drafter_config_and_tokenizer(path, revision=revision, trust_remote_code=trust_remote_code)
     register_attention()
     torch_dtype = getattr(config, "torch_dtype", None) if dtype == "auto" else getattr(torch, dtype)
     try:

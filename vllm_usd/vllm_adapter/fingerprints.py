@@ -30,6 +30,7 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
         "vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._get_spec_decode_draft_probs"),
     "create_custom_proposer": ("vllm/v1/spec_decode/custom_class_proposer.py", "create_custom_proposer"),
     "expand_batch_to_tokens": ("vllm/v1/sample/rejection_sampler.py", "expand_batch_to_tokens"),
+    "EngineArgs.create_engine_config": ("vllm/engine/arg_utils.py", "EngineArgs.create_engine_config"),
 }
 MATCH, CHANGED, MISSING = "match", "changed", "missing"
 _TABLE = Path(__file__).resolve().parents[1] / "data" / "vllm_fingerprints.json"

@@ -15,6 +15,9 @@ fingerprint of a vLLM release vllm-usd was checked against; otherwise
   returns uninitialised memory for float and int32 inputs (the CPU kernel
   writes into an int64 copy that is never copied back). It is replaced by a
   ``torch.repeat_interleave`` equivalent. See docs/cpu-expand-bug.md.
+- ``frontend_check``: wraps ``EngineArgs.create_engine_config`` so that, in the
+  user's own process and before any engine process starts, a vllm-usd
+  ``speculative_config`` is checked (``frontend.check_engine_config``).
 """
 
 from __future__ import annotations
@@ -112,6 +115,29 @@ def install_cpu_expand_fix() -> bool:
     return True
 
 
+# --- frontend_check ---------------------------------------------------------------------------
+def _wrap_create_engine_config(original):
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        from vllm_usd.vllm_adapter.frontend import check_engine_config
+
+        check_engine_config(config)
+        return config
+
+    create_engine_config.__vllm_usd_wrapped__ = original  # type: ignore[attr-defined]
+    return create_engine_config
+
+
+def install_frontend_check() -> bool:
+    from vllm.engine.arg_utils import EngineArgs
+
+    current = EngineArgs.create_engine_config
+    if not hasattr(current, "__vllm_usd_wrapped__"):
+        EngineArgs.create_engine_config = _wrap_create_engine_config(current)
+    return True
+
+
 # --- the list ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Patch:
@@ -133,6 +159,7 @@ PATCHES: dict[str, Patch] = {
                                                "GPUModelRunner._get_spec_decode_draft_probs",
                                                "create_custom_proposer")),
     "cpu_expand_fix": Patch(install_cpu_expand_fix, ("expand_batch_to_tokens",), applies=_on_cpu),
+    "frontend_check": Patch(install_frontend_check, ("EngineArgs.create_engine_config",)),
 }
 
 

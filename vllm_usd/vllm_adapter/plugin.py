@@ -4,8 +4,9 @@ vLLM calls ``register()`` in every process it starts, for every user, whether
 or not they asked for vllm-usd. So it is cheap, re-entrant, and never raises:
 a patch whose vLLM functions do not match a known fingerprint is not applied
 (one warning line naming the function), and without the runner hook the plugin
-stays inactive. The only patch it installs, the runner hook, acts only when
-the speculative proposer is a vllm-usd one. The CPU
+stays inactive. The patches it installs act only for vllm-usd: the runner hook
+when the speculative proposer is a vllm-usd one, the front-end check
+(``frontend.py``) when the ``speculative_config`` asks for one. The CPU
 sampler fix is installed by the proposer itself (or here when
 ``VLLM_USD_FIX_CPU_SAMPLER=1``), so users who did not ask for it keep vLLM as
 it is.
@@ -32,7 +33,7 @@ def register() -> None:
     try:
         from vllm_usd.vllm_adapter import compat, patches
 
-        wanted = ["runner_hook"] + (["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
+        wanted = ["runner_hook", "frontend_check"] + (["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
         for name in wanted:
             try:
                 patches.apply([name])
