@@ -107,4 +107,5 @@ def test_vllm_033_from_the_cached_release(vllm_033):
     # what the table says changed between the two releases really did change
     table = fingerprints.known()
     changed = {k for k in fingerprints.FUNCTIONS if table["0.32.0"][k] != table["0.33.0"][k]}
-    assert changed == {"GPUModelRunner.propose_draft_token_ids", "EngineArgs.create_engine_config"}
+    assert changed == {"GPUModelRunner.propose_draft_token_ids", "EngineArgs.create_engine_config",
+                       "VllmConfig._get_v2_model_runner_unsupported_features"}

@@ -65,6 +65,14 @@ def test_a_drafter_without_a_tokenizer(pair, tmp_path):
     _raises(vllm_config(target, {"drafter": str(tmp_path)}), "the drafter has no readable tokenizer")
 
 
+def test_model_runner_v2_is_refused(pair):
+    """vLLM's V2 runner has no custom_class proposers (VLLM_USE_V2_MODEL_RUNNER=1 forces it)."""
+    target, drafter = pair
+    config = vllm_config(target, {"drafter": drafter})
+    config.use_v2_model_runner = True
+    _raises(config, "vLLM chose Model Runner V2")
+
+
 def test_an_unsupported_vllm_fails_here_too(pair, monkeypatch):
     target, drafter = pair
     monkeypatch.setattr(patches, "refusal", lambda name, root=None: f"vllm-usd: patch {name} not applied: X changed")

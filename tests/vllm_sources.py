@@ -39,7 +39,8 @@ def copy_installed(dest: Path) -> Path:
 def release_source(version: str) -> tuple[Path | None, str]:
     """(folder holding vllm/, "") for a vLLM release from PyPI, cached; (None, why) when it cannot be had."""
     cache = Path(os.path.expanduser(envs.cache_dir())) / f"vllm-{version}-src"
-    if (cache / "vllm" / "_version.py").exists():
+    marker = cache / "FILES"  # what was extracted; a cache from before a function was added is stale
+    if marker.exists() and set(needed_files()) <= set(marker.read_text().split()):
         return cache, ""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -60,6 +61,8 @@ def release_source(version: str) -> tuple[Path | None, str]:
             for rel in needed_files():
                 if rel in names:
                     wheel.extract(rel, staging)
+        (staging / "FILES").write_text("\n".join(needed_files()) + "\n")
+        shutil.rmtree(cache, ignore_errors=True)
         try:
             staging.rename(cache)  # a cache folder that exists is complete
         except OSError:

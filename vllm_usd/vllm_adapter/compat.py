@@ -59,6 +59,14 @@ def speculative_method_and_class(vllm_config) -> tuple[str | None, str | None]:
     return getattr(spec, "method", None), getattr(spec, "model", None)
 
 
+def uses_v2_model_runner(vllm_config) -> bool:
+    """Whether vLLM picked Model Runner V2, which has no custom_class proposers (forced by VLLM_USE_V2_MODEL_RUNNER=1)."""
+    try:
+        return getattr(vllm_config, "use_v2_model_runner", False) is True
+    except Exception:  # noqa: BLE001 - the property validates other settings; those errors are vLLM's to raise
+        return False
+
+
 def additional_config(vllm_config) -> Any:
     return getattr(vllm_config, "additional_config", None)
 

@@ -29,6 +29,8 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
     "GPUModelRunner._get_spec_decode_draft_probs": (
         "vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._get_spec_decode_draft_probs"),
     "create_custom_proposer": ("vllm/v1/spec_decode/custom_class_proposer.py", "create_custom_proposer"),
+    "VllmConfig._get_v2_model_runner_unsupported_features": (
+        "vllm/config/vllm.py", "VllmConfig._get_v2_model_runner_unsupported_features"),
     "expand_batch_to_tokens": ("vllm/v1/sample/rejection_sampler.py", "expand_batch_to_tokens"),
     "EngineArgs.create_engine_config": ("vllm/engine/arg_utils.py", "EngineArgs.create_engine_config"),
 }

@@ -61,6 +61,9 @@ def _check(vllm_config) -> None:
     if line is not None:
         raise ValueError(line)
     _check_class_path(compat.speculative_method_and_class(vllm_config)[1])
+    if compat.uses_v2_model_runner(vllm_config):
+        raise ValueError("vllm-usd: vLLM chose Model Runner V2, which has no custom_class proposers; vllm-usd needs "
+                         "the V1 runner (unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0).")
     cfg = parse_usd_config(compat.additional_config(vllm_config))
     check_num_speculative_tokens(compat.num_speculative_tokens(vllm_config))
     trust = cfg.trust_remote_code

@@ -154,10 +154,12 @@ def _on_cpu() -> bool:
 
 PATCHES: dict[str, Patch] = {
     # the hook wraps propose_draft_token_ids and fills what _get_spec_decode_draft_probs reads; the proposer
-    # it serves is built by the custom-class loader
+    # it serves is built by the custom-class loader, on the V1 runner, which vLLM picks because Model Runner V2
+    # lists custom_class as unsupported
     "runner_hook": Patch(install_runner_hook, ("GPUModelRunner.propose_draft_token_ids",
                                                "GPUModelRunner._get_spec_decode_draft_probs",
-                                               "create_custom_proposer")),
+                                               "create_custom_proposer",
+                                               "VllmConfig._get_v2_model_runner_unsupported_features")),
     "cpu_expand_fix": Patch(install_cpu_expand_fix, ("expand_batch_to_tokens",), applies=_on_cpu),
     "frontend_check": Patch(install_frontend_check, ("EngineArgs.create_engine_config",)),
 }
