@@ -73,6 +73,17 @@ def test_model_runner_v2_is_refused(pair):
     _raises(config, "vLLM chose Model Runner V2")
 
 
+def test_lossy_verification_is_allowed_with_a_warning(pair, caplog):
+    import logging
+
+    target, drafter = pair
+    config = vllm_config(target, {"drafter": drafter})
+    config.speculative_config.rejection_sample_method = "fly"  # vLLM 0.33.0's FLy
+    with caplog.at_level(logging.WARNING, logger="vllm.usd"):
+        frontend.check_engine_config(config)
+    assert any("rejection_sample_method='fly'" in r.getMessage() for r in caplog.records)
+
+
 def test_an_unsupported_vllm_fails_here_too(pair, monkeypatch):
     target, drafter = pair
     monkeypatch.setattr(patches, "refusal", lambda name, root=None: f"vllm-usd: patch {name} not applied: X changed")

@@ -67,6 +67,12 @@ def uses_v2_model_runner(vllm_config) -> bool:
         return False
 
 
+def rejection_sample_method(vllm_config) -> str:
+    """"standard" in 0.32; 0.33.0 adds "fly" (lossy, entropy-gated) beside "synthetic" and "block"."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return str(getattr(spec, "rejection_sample_method", "standard") or "standard")
+
+
 def additional_config(vllm_config) -> Any:
     return getattr(vllm_config, "additional_config", None)
 

@@ -88,5 +88,9 @@ def check_engine_config(vllm_config) -> None:
         _check(vllm_config)
     except ValueError as exc:
         raise ValueError(str(exc)) from None  # already vllm-usd's one line; the chain would only bury it
+    method = compat.rejection_sample_method(vllm_config)
+    if method != "standard":
+        logger.warning("vllm-usd: rejection_sample_method=%r is not vLLM's lossless verification: the output is no "
+                       "longer the target's own distribution (greedy text may differ from the target alone).", method)
     logger.info("vllm-usd: the usd settings, the drafter's tokenizer and the shared vocabulary check out "
                 "(%.1fs, before the engine starts)", time.perf_counter() - started)
