@@ -38,6 +38,16 @@ logger = logging.getLogger("vllm.usd")
 _applied: set[str] = set()
 
 
+def _install_wrapper(cls, attr: str, wrap) -> bool:
+    """Replace ``cls.attr`` by ``wrap(original)`` once; a wrapper carries its original as ``__vllm_usd_wrapped__``."""
+    current = getattr(cls, attr)
+    if not hasattr(current, "__vllm_usd_wrapped__"):
+        wrapped = wrap(current)
+        wrapped.__vllm_usd_wrapped__ = current
+        setattr(cls, attr, wrapped)
+    return True
+
+
 # --- runner_hook -------------------------------------------------------------------------------
 def _wrap_propose(original):
     @functools.wraps(original)
@@ -65,10 +75,7 @@ def _wrap_propose(original):
 def install_runner_hook() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    current = GPUModelRunner.propose_draft_token_ids
-    if not hasattr(current, "__vllm_usd_wrapped__"):
-        GPUModelRunner.propose_draft_token_ids = _wrap_propose(current)
-    return True
+    return _install_wrapper(GPUModelRunner, "propose_draft_token_ids", _wrap_propose)
 
 
 # --- cpu_expand_fix ------------------------------------------------------------------------------
@@ -125,17 +132,13 @@ def _wrap_create_engine_config(original):
         check_engine_config(config)
         return config
 
-    create_engine_config.__vllm_usd_wrapped__ = original  # type: ignore[attr-defined]
     return create_engine_config
 
 
 def install_frontend_check() -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
-    current = EngineArgs.create_engine_config
-    if not hasattr(current, "__vllm_usd_wrapped__"):
-        EngineArgs.create_engine_config = _wrap_create_engine_config(current)
-    return True
+    return _install_wrapper(EngineArgs, "create_engine_config", _wrap_create_engine_config)
 
 
 # --- the list ----------------------------------------------------------------------------------
