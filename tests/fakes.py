@@ -7,15 +7,17 @@ from types import SimpleNamespace
 import numpy as np
 
 
-def vllm_config(target: str, usd: dict, k: int = 3, max_num_seqs: int = 8):
+def vllm_config(target: str, usd: dict | None, k: int = 3, max_num_seqs: int = 8, method: str = "custom_class",
+                proposer: str = "vllm_usd.UniversalProposer"):
+    """usd=None: no ``usd`` section in additional_config."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(target).vocab_size
     model_config = SimpleNamespace(tokenizer=target, tokenizer_revision=None, trust_remote_code=False,
                                    get_vocab_size=lambda: vocab, max_model_len=512)
     return SimpleNamespace(
-        additional_config={"usd": usd}, model_config=model_config,
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        additional_config={} if usd is None else {"usd": usd}, model_config=model_config,
+        speculative_config=SimpleNamespace(num_speculative_tokens=k, method=method, model=proposer),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
     )
 

@@ -1,4 +1,5 @@
-"""A bad drafter setting stops vLLM's start-up with vllm-usd's own one-line message."""
+"""A bad drafter setting stops vLLM's start-up with vllm-usd's own one-line message, as the last line,
+in the user's process (the front-end check), before an engine core starts."""
 
 from __future__ import annotations
 
@@ -44,4 +45,6 @@ def test_startup_error_reaches_the_user(tmp_path, case, expected):
     res = subprocess.run([sys.executable, str(script), target, drafter, case], capture_output=True, text=True,
                          timeout=300, env=env)
     assert res.returncode != 0
-    assert expected in res.stdout + res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: vllm-usd: ") and expected in last, last
+    assert "Engine core initialization failed" not in res.stdout + res.stderr

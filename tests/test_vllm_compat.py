@@ -1,39 +1,54 @@
-"""vllm_adapter: the version guard, the CPU sampler fix, the runner hook, register()."""
+"""vllm_adapter: the fingerprint guard, the CPU sampler fix, the runner hook, register().
+
+Fingerprints against altered source trees: tests/test_fingerprints.py."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 
 import pytest
 import torch
 
-from vllm_usd.vllm_adapter import compat, patches
+from vllm_usd.vllm_adapter import compat, fingerprints, patches
 
 
-def test_version_guard():
-    assert compat.is_supported("0.32.0") and compat.is_supported("0.32.0+cpu")
-    assert not compat.is_supported("0.31.1") and not compat.is_supported("0.32.1")
-    assert compat.is_supported(), "the installed vLLM is the one vllm-usd supports"
-
-
-def test_unsupported_version_is_a_clear_refusal(monkeypatch):
+def test_the_guard_is_fingerprints_not_the_version_string(monkeypatch):
+    """A version string vllm-usd never saw does not matter when the functions match, and vice versa."""
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.40.0")
-    with pytest.raises(compat.UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0.*found 0\.40\.0"):
-        compat.require_supported()
+    monkeypatch.setattr(patches, "_applied", set())
+    monkeypatch.setitem(patches.PATCHES, "runner_hook", patches.Patch(lambda: True, patches.PATCHES["runner_hook"].needs))
+    assert patches.apply(["runner_hook"]) == {"runner_hook"}
+    monkeypatch.setattr(patches, "_applied", set())
+    table = {v: {**fps, "GPUModelRunner.propose_draft_token_ids": "0" * 16} for v, fps in fingerprints.known().items()}
+    monkeypatch.setattr(fingerprints, "known", lambda: table)
+    with pytest.raises(compat.UnsupportedVllmVersion,
+                       match=r"patch runner_hook \(vLLM 0\.32\.0\) not applied: vLLM's "
+                             r"GPUModelRunner\.propose_draft_token_ids .* changed.*known to work \(0\.32\.0, 0\.33\.0\)"):
+        patches.apply(["runner_hook"])
+    assert patches.applied() == frozenset()
 
 
-def test_register_never_raises_and_is_reentrant(monkeypatch):
+def test_register_never_raises_and_is_reentrant(monkeypatch, caplog):
     from vllm_usd.vllm_adapter import plugin
 
-    monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(compat, "vllm_version", lambda: "0.1.0")
-    plugin.register()  # unsupported: warns, does nothing
-    plugin.register()
+    def boom():
+        raise RuntimeError("boom")
+
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(patches, "_applied", set())  # as in a fresh process
-    monkeypatch.setitem(patches.PATCHES, "runner_hook", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
-    monkeypatch.setattr(compat, "vllm_version", lambda: "0.32.0")
-    plugin.register()  # a failing patch is logged, not raised
+    monkeypatch.setattr(fingerprints, "installed_root", lambda: None)  # no vLLM to be found
+    plugin.register()  # warns, does nothing
+    plugin.register()
+    assert patches.applied() == frozenset()
+    monkeypatch.undo()  # vLLM is back
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(patches, "_applied", set())
+    monkeypatch.setitem(patches.PATCHES, "runner_hook", patches.Patch(boom, patches.PATCHES["runner_hook"].needs))
+    monkeypatch.setitem(patches.PATCHES, "frontend_check", patches.Patch(lambda: True, ()))
+    with caplog.at_level(logging.WARNING, logger="vllm.usd"):
+        plugin.register()  # a failing patch is logged, not raised
+    assert any("registration skipped: boom" in r.getMessage() for r in caplog.records)
 
 
 def test_entry_point_is_declared():

@@ -2,6 +2,7 @@
 
     vllm-usd analyze TARGET DRAFTER [--text FILE] [--json]
     vllm-usd serve TARGET --drafter DRAFTER [-k K] [--usd KEY=VALUE ...] [vLLM server flags ...]
+    vllm-usd doctor [--json] [--vllm-source DIR]
 """
 
 from __future__ import annotations
@@ -130,7 +131,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bn.add_argument("--max-tokens", type=int, default=64)
     p_bn.add_argument("--out", help="write JSON (and .md, .png) here")
 
+    p_dr = sub.add_parser("doctor", help="will vllm-usd work on this vLLM? (version, patches, device, known bugs)")
+    p_dr.add_argument("--json", action="store_true", help="print one JSON object")
+    p_dr.add_argument("--vllm-source", metavar="DIR",
+                      help="check an unpacked vLLM source tree (a folder holding vllm/) without importing it")
+
     args, rest = parser.parse_known_args(argv)
+    if args.command == "doctor":
+        from vllm_usd.vllm_adapter.doctor import diagnose, format_report
+
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        report = diagnose(args.vllm_source)
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        return 0 if report["supported"] else 1
     if args.command == "bench":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

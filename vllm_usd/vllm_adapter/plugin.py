@@ -2,11 +2,14 @@
 
 vLLM calls ``register()`` in every process it starts, for every user, whether
 or not they asked for vllm-usd. So it is cheap, re-entrant, and never raises:
-on an unsupported vLLM it logs one warning and does nothing. The only patch it
-installs, the runner hook, acts only when the speculative proposer is a
-vllm-usd one. The CPU sampler fix is installed by the proposer itself (or here
-when ``VLLM_USD_FIX_CPU_SAMPLER=1``), so users who did not ask for it keep
-vLLM as it is.
+a patch whose vLLM functions do not match a known fingerprint is not applied
+(one warning line naming the function), and without the runner hook the plugin
+stays inactive. The patches it installs act only for vllm-usd: the runner hook
+when the speculative proposer is a vllm-usd one, the front-end check
+(``frontend.py``) when the ``speculative_config`` asks for one. The CPU
+sampler fix is installed by the proposer itself (or here when
+``VLLM_USD_FIX_CPU_SAMPLER=1``), so users who did not ask for it keep vLLM as
+it is.
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ def register() -> None:
     try:
         from vllm_usd.vllm_adapter import compat, patches
 
-        if not compat.is_supported():
-            logger.warning(
-                "vllm-usd: vLLM %s is not supported (needs %s); the plugin stays inactive.",
-                compat.vllm_version(), ", ".join(compat.SUPPORTED_VLLM),
-            )
+        wanted = ["runner_hook", "frontend_check"] + (["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
+        for name in wanted:
+            try:
+                patches.apply([name])
+            except compat.UnsupportedVllmVersion as exc:
+                logger.warning("%s", exc)
+        in_force = patches.applied()
+        if "runner_hook" not in in_force:
+            logger.warning("vllm-usd: the plugin stays inactive on vLLM %s (see `vllm-usd doctor`).",
+                           compat.vllm_version())
             return
-        wanted = ["runner_hook"] + (["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
-        in_force = patches.apply(wanted)
         logger.info("vllm-usd: active on vLLM %s (patches: %s)", compat.vllm_version(), ", ".join(sorted(in_force)))
     except Exception as exc:  # noqa: BLE001 - never break vLLM for other users
         logger.warning("vllm-usd: registration skipped: %s", exc)

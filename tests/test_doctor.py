@@ -1,0 +1,111 @@
+"""``vllm-usd doctor``: the installed vLLM, a source tree (never imported), and the cached 0.33.0 release."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import vllm_sources
+from vllm_usd.vllm_adapter import fingerprints
+
+PATCH_NAMES = {"runner_hook", "cpu_expand_fix", "frontend_check"}
+# runs the CLI in a fresh interpreter, then says whether that interpreter ever imported vLLM
+NO_IMPORT = ("import sys; from vllm_usd.cli import main; rc = main(sys.argv[1:]); "
+             "print('IMPORTED_VLLM=' + str('vllm' in sys.modules), file=sys.stderr); sys.exit(rc)")
+
+
+def _doctor(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "vllm_usd.cli", "doctor", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("VLLM_USD_SKIP_FINGERPRINTS", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _check_schema(report: dict) -> None:
+    assert isinstance(report["vllm_version"], str) and isinstance(report["supported"], bool)
+    assert {p["name"] for p in report["patches"]} == PATCH_NAMES
+    for p in report["patches"]:
+        assert set(p) >= {"name", "needs", "match", "functions"} and isinstance(p["match"], bool)
+        assert [f["function"] for f in p["functions"]] == p["needs"]
+        for f in p["functions"]:
+            assert f["status"] in ("match", "changed", "missing") and (f["status"] == "match") == bool(f["matches_versions"])
+
+
+def test_doctor_json_on_the_installed_vllm():
+    res = _doctor("--json")
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    _check_schema(report)
+    assert report["vllm_version"] == "0.32.0" and report["supported"] is True and report["active"] is True
+    assert all(p["match"] for p in report["patches"])
+    assert report["drafter_device"] == "cpu" and report["target_device"] == "cpu"
+    assert [b["name"] for b in report["known_bugs"]][:1] == ["cpu_expand_bug"] and report["known_bugs"][0]["applies"]
+
+
+def test_doctor_text_on_the_installed_vllm():
+    res = _doctor()
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("vLLM: 0.32.0 (installed")
+    assert "patch runner_hook: matches vLLM 0.32.0" in lines and "patch frontend_check: matches vLLM 0.32.0" in lines
+    assert any(line.startswith("vllm-usd: active") for line in lines)
+    assert any(line.startswith("drafter device: cpu") for line in lines)
+    assert any(line.startswith("known bug cpu_expand_bug: measured") for line in lines)
+
+
+def test_doctor_refuses_an_altered_source_tree_without_importing_it(tmp_path):
+    tree = vllm_sources.copy_installed(tmp_path / "src")
+    runner = tree / "vllm/v1/worker/gpu_model_runner.py"
+    text = runner.read_text()
+    old = "        self._draft_probs = None\n        self._draft_prob_req_ids = None\n        if spec_config.method == \"ngram\":"
+    assert text.count(old) == 1
+    runner.write_text(text.replace(old, old.replace("        self._draft_probs = None\n", "")))
+    res = _doctor("doctor", "--json", "--vllm-source", str(tree), code=NO_IMPORT)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "IMPORTED_VLLM=False" in res.stderr
+    report = json.loads(res.stdout)
+    _check_schema(report)
+    assert report["supported"] is False and report["active"] is False and report["vllm_version"] == "0.32.0"
+    by_name = {p["name"]: p for p in report["patches"]}
+    assert not by_name["runner_hook"]["match"] and by_name["cpu_expand_fix"]["match"]
+    changed = [f["function"] for f in by_name["runner_hook"]["functions"] if f["status"] != "match"]
+    assert changed == ["GPUModelRunner.propose_draft_token_ids"]
+    text_out = _doctor("doctor", "--vllm-source", str(tree), code=NO_IMPORT).stdout
+    assert "patch runner_hook: REFUSED: GPUModelRunner.propose_draft_token_ids changed" in text_out
+    assert "vllm-usd: inactive" in text_out
+
+
+def test_doctor_on_a_folder_without_vllm(tmp_path):
+    res = _doctor("--json", "--vllm-source", str(tmp_path))
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and report["supported"] is False and report["vllm_version"] is None
+
+
+@pytest.fixture(scope="module")
+def vllm_033():
+    root, why = vllm_sources.release_source("0.33.0")
+    if root is None:
+        print(f"\nSKIP: vLLM 0.33.0 sources unavailable: {why}")
+        pytest.skip(f"vLLM 0.33.0 sources unavailable: {why}")
+    return root
+
+
+def test_vllm_033_from_the_cached_release(vllm_033):
+    res = _doctor("doctor", "--json", "--vllm-source", str(vllm_033), code=NO_IMPORT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "IMPORTED_VLLM=False" in res.stderr
+    report = json.loads(res.stdout)
+    _check_schema(report)
+    assert report["vllm_version"] == "0.33.0" and report["supported"] is True
+    for p in report["patches"]:
+        for f in p["functions"]:
+            assert "0.33.0" in f["matches_versions"], f
+    # what the table says changed between the two releases really did change
+    table = fingerprints.known()
+    changed = {k for k in fingerprints.FUNCTIONS if table["0.32.0"][k] != table["0.33.0"][k]}
+    assert changed == {"GPUModelRunner.propose_draft_token_ids", "EngineArgs.create_engine_config",
+                       "VllmConfig._get_v2_model_runner_unsupported_features"}

@@ -1,0 +1,145 @@
+"""``vllm-usd doctor``: will vllm-usd work on this vLLM, and what should you know?
+
+It reports the vLLM version found, each patch with the fingerprints of the
+functions it relies on, whether vllm-usd will be active, the device the
+drafter uses, and the known platform bugs that apply. With ``vllm_source`` it
+checks an unpacked source tree (a folder holding ``vllm/``) instead, without
+importing it, so a machine that cannot run a vLLM release can still check it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vllm_usd import envs
+from vllm_usd.vllm_adapter import fingerprints
+
+
+def _installed_platform() -> dict[str, Any]:
+    """Platform facts that need the installed vLLM imported (never for a source tree)."""
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+        target = "cpu" if on_cpu else f"{current_platform.device_type}:0"
+    except Exception as exc:  # noqa: BLE001 - a broken vLLM is something to report, not to crash on
+        return {"platform": f"unknown ({type(exc).__name__}: {exc})", "on_cpu": None, "target_device": "unknown"}
+    return {"platform": "cpu" if on_cpu else current_platform.device_type, "on_cpu": on_cpu, "target_device": target}
+
+
+def _known_bugs(on_cpu: bool | None, version: str) -> list[dict[str, Any]]:
+    if not on_cpu:
+        return []
+    from vllm_usd.vllm_adapter import patches
+
+    bugs = []
+    try:
+        from vllm.platforms import current_platform
+
+        current_platform.register_triton_kernel_overrides()  # the CPU kernels, as vLLM's CPU worker registers them
+        broken = patches.cpu_expand_is_broken()
+    except Exception as exc:  # noqa: BLE001
+        broken = None
+        detail = f"could not run the check ({type(exc).__name__}: {exc})"
+    else:
+        detail = "measured: vLLM's CPU expand_batch_to_tokens " + (
+            "returns wrong values for float inputs" if broken else "is correct here")
+    if broken is not False:
+        bugs.append({"name": "cpu_expand_bug", "applies": broken, "detail": detail,
+                     "handled_by": "patch cpu_expand_fix (in vllm-usd's engines; VLLM_USD_FIX_CPU_SAMPLER=1 for all)",
+                     "see": "docs/cpu-expand-bug.md"})
+    if version.startswith("0.32."):
+        bugs.append({"name": "cpu_seeded_chunked_prefill", "applies": True,
+                     "detail": "a request with its own seed whose prefill is split into chunks stops the engine "
+                               "('CPU Generator does not use offset')",
+                     "handled_by": "nothing: avoid per-request seeds with chunked prefill on CPU (README, Limitations)"})
+    return bugs
+
+
+def diagnose(vllm_source: str | Path | None = None) -> dict[str, Any]:
+    """Everything ``vllm-usd doctor`` prints, as one JSON-ready dict."""
+    from vllm_usd.vllm_adapter.patches import PATCHES
+
+    root = Path(vllm_source).resolve() if vllm_source is not None else fingerprints.installed_root()
+    report: dict[str, Any] = {
+        "vllm_source": str(root) if root is not None else None,
+        "mode": "source tree (not imported)" if vllm_source is not None else "installed",
+        "known_versions": fingerprints.known_versions(),
+        "skip_fingerprints": envs.skip_fingerprints(), "disabled": envs.disabled(),
+    }
+    if root is None or not (root / "vllm").is_dir():
+        report.update(vllm_version=None, supported=False, active=False, patches=[], known_bugs=[],
+                      drafter_device=None, target_device=None,
+                      reason=f"no vllm/ package under {root}" if root is not None else "vLLM is not installed")
+        return report
+    version = fingerprints.source_version(root)
+    platform = _installed_platform() if vllm_source is None else {
+        "platform": "not checked (source tree)", "on_cpu": None, "target_device": "not checked (source tree)"}
+    patch_reports = []
+    for name, patch in PATCHES.items():
+        checks = fingerprints.check(root, patch.needs)
+        applies = None if platform["on_cpu"] is None else (name != "cpu_expand_fix" or platform["on_cpu"])
+        patch_reports.append({"name": name, "needs": list(patch.needs), "applies_here": applies,
+                              "match": all(c.status == fingerprints.MATCH for c in checks),
+                              "functions": [c.as_dict() for c in checks]})
+    supported = all(p["match"] for p in patch_reports)
+    runner_ok = next(p["match"] for p in patch_reports if p["name"] == "runner_hook")
+    report.update(
+        vllm_version=version, platform=platform["platform"], supported=supported,
+        active=(runner_ok or report["skip_fingerprints"]) and not report["disabled"],
+        patches=patch_reports,
+        # the drafter runs where the target runs (drafter/select.py: llama.cpp on the CPU when installed
+        # and the drafter has a GGUF, else transformers in the format measured fastest there)
+        drafter_device=platform["target_device"], drafter_runtime=_default_runtime(platform["on_cpu"]),
+        target_device=platform["target_device"],
+        known_bugs=_known_bugs(platform["on_cpu"], version) if vllm_source is None else [],
+    )
+    return report
+
+
+def _default_runtime(on_cpu: bool | None) -> str | None:
+    """What usd.drafter_runtime = "auto" picks on this platform for a drafter folder with a GGUF."""
+    if on_cpu is None:
+        return None
+    from vllm_usd.drafter.llama_cpp_runtime import llama_cpp_available
+    from vllm_usd.drafter.select import AUTO_DTYPE
+
+    if on_cpu and llama_cpp_available():
+        return "llama.cpp for drafters with a GGUF, else transformers " + AUTO_DTYPE["cpu"]
+    return "transformers " + AUTO_DTYPE["cpu" if on_cpu else "cuda"] + ("" if not on_cpu else " (llama-cpp-python not installed)")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"vLLM: {report['vllm_version'] or 'not found'} ({report['mode']}: {report['vllm_source']})"]
+    if report.get("reason"):
+        return "\n".join(lines + [f"vllm-usd: inactive ({report['reason']})"])
+    for p in report["patches"]:
+        bad = [f"{f['function']} {f['status']}" for f in p["functions"] if f["status"] != fingerprints.MATCH]
+        every = set.intersection(*(set(f["matches_versions"]) for f in p["functions"]))
+        state = ("REFUSED: " + "; ".join(bad) if bad else f"matches vLLM {', '.join(sorted(every))}" if every
+                 else "matches, function by function: " + "; ".join(
+                     f"{f['function']} as in {'/'.join(f['matches_versions'])}" for f in p["functions"]))
+        where = "" if p["applies_here"] is not False else " (does not apply on this platform)"
+        lines.append(f"patch {p['name']}: {state}{where}")
+    known = ", ".join(report["known_versions"])
+    if report["disabled"]:
+        verdict = "inactive (VLLM_USD_DISABLE=1)"
+    elif report["active"] and report["supported"]:
+        verdict = f"active (every function matches a vLLM release it was checked against: {known})"
+    elif report["active"]:
+        verdict = ("active, but UNCHECKED (VLLM_USD_SKIP_FINGERPRINTS=1)" if report["skip_fingerprints"] else
+                   "active, without the patches refused above")
+    else:
+        verdict = f"inactive: the runner hook's functions differ from vLLM {known}"
+    lines.append(f"vllm-usd: {verdict}")
+    lines.append(f"drafter device: {report['drafter_device']} ({report.get('drafter_runtime') or 'runtime not checked'}); "
+                 f"target and rejection sampler: {report['target_device']}")
+    bugs = report["known_bugs"]
+    if report["mode"] != "installed":
+        lines.append("known platform bugs: not checked for a source tree")
+    elif not bugs:
+        lines.append("known platform bugs: none that apply")
+    for bug in bugs:
+        lines.append(f"known bug {bug['name']}: {bug['detail']}; handled by {bug['handled_by']}")
+    return "\n".join(lines)
