@@ -28,20 +28,37 @@ class DrafterRuntime(ABC):
     def set_output_rows(self, rows: torch.Tensor) -> None:
         """Return logits only for these drafter ids ([n], ascending) from now on."""
 
-    @abstractmethod
     def add(self, req_id: str) -> bool:
         """Make room for a request. False when the memory budget is full."""
+        if req_id in self._tokens:
+            return True
+        if not self._claim(req_id):
+            return False
+        self._tokens[req_id] = []
+        return True
 
-    @abstractmethod
     def free(self, req_id: str) -> None:
         """Forget a request and release its KV (no-op if unknown)."""
+        if self._tokens.pop(req_id, None) is not None:
+            self._release(req_id)
 
     @abstractmethod
-    def has(self, req_id: str) -> bool: ...
+    def _claim(self, req_id: str) -> bool:
+        """Reserve KV room for a new request; False when there is none."""
+
+    @abstractmethod
+    def _release(self, req_id: str) -> None:
+        """Give a forgotten request's KV room back."""
+
+    #: per request, the drafter tokens whose KV is held (kept by ``add``, ``free`` and ``forward``)
+    _tokens: dict[str, list[int]]
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._tokens
 
     @property
-    @abstractmethod
-    def num_requests(self) -> int: ...
+    def num_requests(self) -> int:
+        return len(self._tokens)
 
     @property
     @abstractmethod
@@ -53,9 +70,9 @@ class DrafterRuntime(ABC):
     def param_bytes(self) -> int:
         """The drafter's weights in memory (a full copy on every tensor-parallel rank)."""
 
-    @abstractmethod
     def cached_tokens(self, req_id: str) -> list[int]:
         """The drafter tokens whose KV is held for ``req_id``."""
+        return self._tokens[req_id]
 
     @abstractmethod
     def forward(

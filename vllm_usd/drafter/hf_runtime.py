@@ -130,22 +130,16 @@ class HFDrafterRuntime(DrafterRuntime):
         self._head_bias = bias.index_select(0, rows).to(self._head_dtype) if bias is not None else None
         self.num_outputs = int(rows.numel())
 
-    def add(self, req_id: str) -> bool:
-        if req_id in self._slot_of:
-            return True
+    def _claim(self, req_id: str) -> bool:
         n = len(self._req_at)
         if n >= self._max_requests or not self._grow(n + 1, max(self._len_cap, 1)):
             return False
         self._slot_of[req_id] = n
         self._req_at.append(req_id)
-        self._tokens[req_id] = []
         return True
 
-    def free(self, req_id: str) -> None:
-        slot = self._slot_of.pop(req_id, None)
-        if slot is None:
-            return
-        self._tokens.pop(req_id, None)
+    def _release(self, req_id: str) -> None:
+        slot = self._slot_of.pop(req_id)
         last = len(self._req_at) - 1
         moved = self._req_at.pop()
         if slot != last:  # keep slots 0..n-1 dense: move the last one into the hole
@@ -155,16 +149,6 @@ class HFDrafterRuntime(DrafterRuntime):
                 self._v[layer][slot, :, :length] = self._v[layer][last, :, :length]
             self._req_at[slot] = moved
             self._slot_of[moved] = slot
-
-    def has(self, req_id: str) -> bool:
-        return req_id in self._slot_of
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._req_at)
-
-    def cached_tokens(self, req_id: str) -> list[int]:
-        return self._tokens[req_id]
 
     # -- forward ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -140,34 +140,18 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         self._cols = rows.to(torch.long).cpu().numpy()
         self.num_outputs = int(rows.numel())
 
-    def add(self, req_id: str) -> bool:
-        if req_id in self._seq_of:
-            return True
+    def _claim(self, req_id: str) -> bool:
         if not self._free_seqs:
             return False
         seq = self._free_seqs.pop()
         self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._seq_of[req_id] = seq
-        self._tokens[req_id] = []
         return True
 
-    def free(self, req_id: str) -> None:
-        seq = self._seq_of.pop(req_id, None)
-        if seq is None:
-            return
-        self._tokens.pop(req_id, None)
+    def _release(self, req_id: str) -> None:
+        seq = self._seq_of.pop(req_id)
         self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._free_seqs.append(seq)
-
-    def has(self, req_id: str) -> bool:
-        return req_id in self._seq_of
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._seq_of)
-
-    def cached_tokens(self, req_id: str) -> list[int]:
-        return self._tokens[req_id]
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, req_ids: Sequence[str], keep: Sequence[int],

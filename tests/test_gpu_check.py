@@ -1,0 +1,24 @@
+"""scripts/gpu_check.sh, the vLLM-free check for a GPU machine, run on the CPU so that it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_runs_and_reports_every_check_on_the_cpu():
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "cpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and summary["ok"] is True, summary
+    assert summary["device"] == "cpu"
+    assert summary["runtime_vs_eager"]["ok"] and summary["runtime_vs_eager"]["max_abs_err"] < 1e-3
+    assert summary["q_sums_to_one"]["ok"]
+    rows = summary["step_ms"]["rows"]
+    assert {(r["format"], r["batch"]) for r in rows} == {(f, b) for f in ("float32", "bfloat16", "int8") for b in (1, 8, 32)}
+    assert all(r["step_ms"] > 0 and r["read_limit_ms"] > 0 for r in rows)
+    assert summary["graph_replay"]["ok"] is None, "graph capture is not built: it must not claim a pass"
