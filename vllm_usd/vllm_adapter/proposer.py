@@ -32,7 +32,7 @@ class UniversalProposer:
 
     is_vllm_usd_proposer = True
     #: the patches this proposer needs in its worker process (see patches.PATCHES)
-    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix")
+    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix")
 
     def __init__(self, vllm_config: Any) -> None:
         patches.apply(self.patches)
