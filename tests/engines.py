@@ -22,6 +22,9 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     """An ``LLM`` for ``model``, with vllm-usd drafting from ``drafter`` if given.
 
     ``proposer``: a class from tests.faults to use instead of vllm_usd.UniversalProposer.
+    Drafting is at a fixed k (``adaptive_length: false``) unless ``usd`` says otherwise:
+    most engine tests check the drafting machinery and count drafts at every batch size;
+    the tests with ``adaptive_length`` on say so.
     """
     from vllm import LLM
 
@@ -33,7 +36,7 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     args = {**ENGINE_DEFAULTS, **kwargs}
     if drafter is not None:
-        args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **(usd or {})))
+        args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **{"adaptive_length": False, **(usd or {})}))
     if proposer is not None:  # the engine's processes import it by name
         args["speculative_config"]["model"] = f"{proposer.__module__}.{proposer.__qualname__}"
         env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}

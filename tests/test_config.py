@@ -12,6 +12,7 @@ from vllm_usd.config import parse_usd_config
 def test_defaults_and_helper():
     cfg = parse_usd_config({"usd": {"drafter": "some/model"}})
     assert cfg.drafter == "some/model" and cfg.draft_sampling == "auto" and cfg.trust_remote_code is None
+    assert cfg.adaptive_length and cfg.draft_cost is None and cfg.probe_interval == 8
     args = vllm_usd.speculative_args(drafter="d", k=4, draft_sampling="greedy")
     assert args["speculative_config"] == {"method": "custom_class", "model": "vllm_usd.UniversalProposer",
                                           "num_speculative_tokens": 4}
@@ -30,6 +31,11 @@ def test_defaults_and_helper():
     ({"usd": {"drafter": "d", "draft_sampling": "random"}}, r"choose one of auto, greedy"),
     ({"usd": {"drafter": "d", "drafter_kv_budget_gb": -1}}, r"drafter_kv_budget_gb must be in"),
     ({"usd": {"drafter": "d", "drafter_max_model_len": 0}}, r"drafter_max_model_len must be >= 1"),
+    ({"usd": {"drafter": "d", "adaptive_length": "yes"}}, r"usd\.adaptive_length must be bool"),
+    ({"usd": {"drafter": "d", "draft_cost": -0.1}}, r"draft_cost must be in \[0, 100\] or null"),
+    ({"usd": {"drafter": "d", "verify_token_cost": -1}}, r"verify_token_cost must be in"),
+    ({"usd": {"drafter": "d", "compute_bound_tokens": 0.5}}, r"compute_bound_tokens must be >= 1"),
+    ({"usd": {"drafter": "d", "probe_interval": 0}}, r"probe_interval must be >= 1"),
 ])
 def test_bad_config_is_one_clear_line(additional, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -170,3 +170,63 @@ def test_no_q_is_lossless_but_accepts_less(pair, baseline, usd_k3):
     p = homogeneity_pvalue(baseline["t1"], samples)
     assert p >= 1e-3, f"p = {p:.2e}"
     assert counts["acceptance_length"] < usd_k3["t1_counts"]["acceptance_length"], (counts, usd_k3["t1_counts"])
+
+
+# -- usd.adaptive_length on -----------------------------------------------------------------------
+# Costs under which the policy's lengths vary with acceptance on the tiny pair (a fixed-k drafter
+# pays at batch <= 32 here): k at batch 1, 1..3 at batch 32, where rows also drop out of drafting.
+ADAPTIVE = {"adaptive_length": True, "draft_cost": 0.003, "verify_token_cost": 0.01, "compute_bound_tokens": 1e6}
+
+
+@pytest.fixture(scope="module")
+def usd_adaptive(pair):
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=32, usd=ADAPTIVE) as llm:
+        out = {"greedy": _greedy(llm), "greedy_counts": spec_counts(llm), "greedy_stats": proposer_stats(llm),
+               "mixed": _mixed(llm)}
+        for setting in SETTINGS:
+            out[setting] = _samples(llm, setting)
+        out["stats"] = proposer_stats(llm)
+        return out
+
+
+def _lengths(stats: dict) -> dict[int, int]:
+    return {int(key[len("length_"):]): n for key, n in stats["counters"].items() if key.startswith("length_")}
+
+
+def test_adaptive_greedy_equal(baseline, usd_adaptive):
+    assert usd_adaptive["greedy"] == baseline["greedy"]
+    for i in range(0, len(LOWERCASE), 3):
+        assert usd_adaptive["mixed"][i] == baseline["mixed"][i]
+    counts, lengths = usd_adaptive["greedy_counts"], _lengths(usd_adaptive["greedy_stats"])
+    assert counts["drafts"] > 0 and counts["accepted"] > 0, counts
+    assert len([n for n in range(1, 4) if lengths.get(n)]) >= 2, f"lengths did not vary: {lengths}"
+
+
+def test_adaptive_counters_count_only_what_was_drafted(usd_adaptive):
+    """vLLM's spec_decode counters see a row without drafts as no draft, and ragged drafts by their length."""
+    counts, stats = usd_adaptive["greedy_counts"], usd_adaptive["greedy_stats"]
+    lengths = _lengths(stats)
+    handed_over = sum(n * c for n, c in lengths.items())
+    assert 0 < counts["drafts"] <= stats["counters"]["drafted_rows"] == sum(c for n, c in lengths.items() if n)
+    assert counts["draft_tokens"] <= handed_over
+    if any(lengths.get(n) for n in (1, 2)):
+        assert counts["draft_tokens"] < 3 * counts["drafts"], counts
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_adaptive_sampling_distribution_unchanged(baseline, usd_adaptive, setting):
+    p = homogeneity_pvalue(baseline[setting], usd_adaptive[setting])
+    assert p >= 1e-3, f"USD with adaptive lengths changed the output distribution ({setting}): p = {p:.2e}"
+    lengths = _lengths(usd_adaptive["stats"])
+    assert len([n for n in range(1, 4) if lengths.get(n)]) >= 2, lengths
+
+
+def test_adaptive_planted_bug_is_caught(pair, baseline):
+    """Adaptive lengths must not hide a wrong q: q on the wrong ids is still rejected."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=32, usd=ADAPTIVE, proposer=ScrambleQProposer) as llm:
+        samples = _samples(llm, "t1")
+    p = homogeneity_pvalue(baseline["t1"], samples)
+    print(f"planted bug ScrambleQProposer, adaptive lengths: p = {p:.2e}")
+    assert p < 1e-6, f"planted bug not detected with adaptive lengths: p = {p:.2e}"

@@ -266,3 +266,36 @@ def test_no_drafter_state_left_and_no_failed_steps(usd):
     stats = usd["stats"]
     assert stats["request_states"] == 0 and stats["drafter_requests"] == 0, stats
     assert stats["counters"].get("failed_steps", 0) == 0, stats
+
+
+# -- usd.adaptive_length on: the same cases, lengths chosen per request and step ------------------
+# costs under which the lengths vary at these batch sizes (see test_engine_distribution_pair.ADAPTIVE)
+ADAPTIVE = {**USD, "adaptive_length": True, "draft_cost": 0.003, "verify_token_cost": 0.01,
+            "compute_bound_tokens": 1e6}
+
+
+@pytest.fixture(scope="module")
+def usd_adaptive(pair):
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, usd=ADAPTIVE, **SETTINGS) as llm:
+        results = _run_all(llm)
+        llm.generate(["x"], _sp(max_tokens=1), use_tqdm=False)
+        results["stats"] = proposer_stats(llm)
+        return results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_output_equal_adaptive(plain, usd_adaptive, case):
+    assert isinstance(usd_adaptive[case]["out"], list), usd_adaptive[case]["out"]
+    assert usd_adaptive[case]["out"] == plain[case]["out"]
+    if case not in NO_DRAFTS:
+        assert usd_adaptive[case]["drafts"] > 0 and usd_adaptive[case]["accepted"] > 0, usd_adaptive[case]
+
+
+def test_adaptive_abort_logprobs_and_state(plain, usd_adaptive):
+    assert usd_adaptive["abort"]["done"] == plain["abort"]["done"]
+    assert usd_adaptive["logprobs"]["out"][0][0][:3] == plain["logprobs"]["out"][0][0][:3]
+    stats = usd_adaptive["stats"]
+    assert stats["request_states"] == 0 and stats["counters"].get("failed_steps", 0) == 0, stats
+    lengths = {key: n for key, n in stats["counters"].items() if key.startswith("length_")}
+    assert len([n for key, n in lengths.items() if n and key != "length_0"]) >= 2, lengths

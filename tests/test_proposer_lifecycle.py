@@ -18,7 +18,9 @@ def pair():
 
 
 def _proposer(pair, k=3, cls=UniversalProposer, **usd):
+    """Fixed k unless a test asks for the draft-length policy (test_adaptive_length.py tests it)."""
     target, drafter = pair
+    usd.setdefault("adaptive_length", False)
     return cls(vllm_config(target, {"drafter": drafter, **usd}, k=k))
 
 

@@ -151,3 +151,19 @@ def test_runner_hook_moves_q_to_the_runners_device():
     runner = Runner()
     patches._wrap_propose(lambda self, so: [[1], [2]])(runner, "sched")
     assert runner._draft_probs.device.type == "meta" and runner._draft_probs.shape == (2, 3, 4)
+
+
+def test_cpu_rejection_sampler_survives_a_step_without_drafts():
+    """vLLM's CPU top-k path fails on a step where no request has drafts (adaptive lengths choose that often)."""
+    _registered_cpu_kernels()
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    empty = torch.empty(0, 32)  # [num_draft_tokens = 0, vocab]
+    with pytest.raises(RuntimeError):
+        apply_top_k_top_p(empty.clone(), torch.empty(0, dtype=torch.long), None)
+    assert patches.install_cpu_empty_topk_fix() and patches.install_cpu_empty_topk_fix()  # idempotent
+    assert rs.apply_top_k_top_p(empty, torch.empty(0, dtype=torch.long), None).shape == (0, 32)
+    logits = torch.arange(8.0).repeat(2, 1)
+    masked = rs.apply_top_k_top_p(logits, torch.tensor([2, 3]), None)
+    assert torch.isinf(masked[0]).sum() == 6 and torch.isinf(masked[1]).sum() == 5, "non-empty input as before"

@@ -125,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bn.add_argument("-k", "--ks", nargs="+", type=int, default=[3])
     p_bn.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.8])
     p_bn.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
-    p_bn.add_argument("--systems", nargs="+", default=["plain", "usd_greedy", "usd_sampled"],
-                      help="any of plain, native, usd_greedy, usd_sampled, hf_plain, hf_assisted")
+    p_bn.add_argument("--systems", nargs="+", default=["plain", "usd_greedy", "usd_sampled", "usd_adaptive"],
+                      help="any of plain, native, usd_greedy, usd_sampled, usd_adaptive, hf_plain, hf_assisted")
     p_bn.add_argument("--repeats", type=int, default=3)
     p_bn.add_argument("--max-tokens", type=int, default=64)
     p_bn.add_argument("--out", help="write JSON (and .md, .png) here")

@@ -34,6 +34,16 @@ class UsdConfig:
     pruned_head:           compute drafter logits only for shared tokens (same q, less work).
     profile:               time the proposer's phases (see UniversalProposer.timings).
     debug_digests:         record a digest of each step's drafts and q (tensor-parallel checks).
+    adaptive_length:       choose each request's draft length 0..k every step (vllm_usd/drafting/length_policy.py);
+                           false: always k (num_speculative_tokens).
+    draft_cost:            the policy's cost of one drafter forward for one request, relative to a plain
+                           target step at batch 1; null (default): 0.05 + 0.2 x drafter bytes / target bytes.
+    verify_token_cost:     the policy's extra cost of one more verified token, in the same unit, while
+                           the target is not compute-bound (default 0.045: 3 more tokens cost 1.13x).
+    compute_bound_tokens:  tokens per target step past which each one costs 1/compute_bound_tokens of a
+                           plain batch-1 step (default 5).
+    probe_interval:        a request left without drafts gets one draft every this many of its steps,
+                           where drafting could pay at all (default 8).
     """
 
     drafter: str
@@ -51,6 +61,11 @@ class UsdConfig:
     pruned_head: bool = True
     profile: bool = False
     debug_digests: bool = False
+    adaptive_length: bool = True
+    draft_cost: float | None = None
+    verify_token_cost: float = 0.045
+    compute_bound_tokens: float = 5.0
+    probe_interval: int = 8
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -69,6 +84,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "pruned_head": (bool,),
     "profile": (bool,),
     "debug_digests": (bool,),
+    "adaptive_length": (bool,),
+    "draft_cost": (int, float, type(None)),
+    "verify_token_cost": (int, float),
+    "compute_bound_tokens": (int, float),
+    "probe_interval": (int,),
 }
 _CHOICES = {
     "drafter_runtime": ("auto", "transformers", "llama_cpp"),
@@ -126,6 +146,14 @@ def parse_usd_config(additional_config: Any) -> UsdConfig:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.drafter_kv_budget_gb must be in (0, 1024].")
     if not 0 <= cfg.min_intersection <= 1:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.min_intersection must be in [0, 1].")
+    if cfg.draft_cost is not None and not 0 <= cfg.draft_cost <= 100:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.draft_cost must be in [0, 100] or null.")
+    if not 0 <= cfg.verify_token_cost <= 100:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.verify_token_cost must be in [0, 100].")
+    if not cfg.compute_bound_tokens >= 1:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.compute_bound_tokens must be >= 1.")
+    if cfg.probe_interval < 1:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.probe_interval must be >= 1.")
     return cfg
 
 

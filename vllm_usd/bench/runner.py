@@ -7,6 +7,8 @@ Systems, each on the same prompts with identical engine settings:
     usd_greedy   vllm-usd, ``draft_sampling="greedy"``
     usd_sampled  vllm-usd, ``draft_sampling="auto"``: drafts sampled like the request, q handed over
                  (at temperature 0 this is the same as usd_greedy and is not run twice)
+    usd_adaptive vllm-usd with ``adaptive_length`` on (the default): k is the cap, each request drafts
+                 0..k per step; the usd_greedy and usd_sampled rows draft a fixed k
     hf_plain     transformers' ``generate`` with the target alone, batch 1
     hf_assisted  transformers' universal assisted generation (``assistant_tokenizer``), batch 1
 
@@ -41,7 +43,7 @@ def vllm_engines(plan: BenchPlan) -> list[tuple[str, int | None]]:
     engines: list[tuple[str, int | None]] = []
     if "plain" in plan.systems:
         engines.append(("plain", None))
-    for system in ("native", "usd_greedy", "usd_sampled"):
+    for system in ("native", "usd_greedy", "usd_sampled", "usd_adaptive"):
         if system in plan.systems:
             engines += [(system, k) for k in plan.ks]
     return engines

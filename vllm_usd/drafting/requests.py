@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -44,6 +44,8 @@ class RequestState:
     seeded: bool  # the request has its own seed
     last_token: int
     committed: int = 0  # target tokens already given to the translator
+    # leading drafter tokens unchanged since the drafter last ran for this request; None: it ran last step
+    undrafted_known: int | None = None
 
 
 @dataclass
@@ -59,6 +61,11 @@ class DraftRows:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def subset(self, indices: Sequence[int]) -> "DraftRows":
+        """These rows only, in the order of ``indices``."""
+        return DraftRows(*([column[i] for i in indices] for column in (
+            self.rows, self.req_ids, self.states, self.sequences, self.unchanged, self.positions)))
 
 
 class RequestTable:
@@ -148,6 +155,9 @@ class RequestTable:
             _, appended = state.translator.feed(new_ids)
             known = len(state.translator.draft_ids) - len(appended)
         state.committed = num_tokens
+        if state.undrafted_known is not None:  # the drafter skipped steps: its cache matches less
+            known = min(known, state.undrafted_known)
+            state.undrafted_known = None
         seq = state.translator.draft_ids
         if not seq:
             return None
@@ -157,6 +167,11 @@ class RequestTable:
             self._undraftable.add(req_id)
             return None
         return state, seq, known
+
+    def skip(self, rows: DraftRows) -> None:
+        """These rows get no draft this step: the drafter's cache does not follow their contexts."""
+        for state, known in zip(rows.states, rows.unchanged):
+            state.undrafted_known = known
 
     def collect(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                 token_ids: np.ndarray, sampling: Callable[[str], RequestSampling]) -> DraftRows:

@@ -24,8 +24,9 @@ from vllm_usd.drafting.timing import PhaseTimer
 class DraftBatch:
     """What one step drafted, in the order of ``DraftRows``."""
 
-    target_ids: torch.Tensor  # [B, k] target ids
-    q: list[torch.Tensor] | None  # per position [B, n] in intersection order; None when every row is greedy
+    target_ids: torch.Tensor  # [B, depth] target ids; a row's ids past its length are filler
+    q: list[torch.Tensor] | None  # per position j [B_j, n] (the first B_j rows drafted j), intersection order;
+    # None when every row is greedy
 
 
 def sampling_params(rows: DraftRows, device: torch.device) -> DraftSamplingParams:
@@ -56,30 +57,43 @@ class IntersectionDrafting:
     def _intersection_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits if self.pruned_head else logits.index_select(-1, self._draft_ids)  # [B, n]
 
-    def draft(self, rows: DraftRows, salt: int) -> DraftBatch:
-        """k drafts for each row; ``salt`` (usd.seed) goes into every unseeded draw."""
+    def draft(self, rows: DraftRows, salt: int, lengths: list[int] | None = None) -> DraftBatch:
+        """Drafts for each row; ``salt`` (usd.seed) goes into every unseeded draw.
+
+        ``lengths``: drafts per row, 1..k, longest first (None: k each). Position j runs
+        only for the first rows whose length exceeds j: the drafter stops for the others.
+        """
+        if lengths is None:
+            lengths = [self.k] * len(rows)
         params = sampling_params(rows, self.device)
         keys = [s.key for s in rows.states]
         seeded = [s.seeded for s in rows.states]
-        k, timer = self.k, self.timer
-        index = torch.empty(len(rows), k, dtype=torch.long, device=self.device)  # [B, k] into the intersection
-        qs: list[torch.Tensor] = []
-        lengths = [len(seq) for seq in rows.sequences]
+        depth, timer = lengths[0], self.timer
+        index = torch.zeros(len(rows), depth, dtype=torch.long, device=self.device)  # [B, depth] into the intersection
+        qs: list[torch.Tensor] = []  # per position j: [B_j, n], B_j rows still drafting
+        context = [len(seq) for seq in rows.sequences]
+        active, step_params = len(rows), params  # rows still drafting: the first ``active`` (longest first)
         with timer.phase("drafter_forward"):
             logits = self.runtime.catch_up(rows.req_ids, rows.sequences, rows.unchanged)
-        for j in range(k):
+        for j in range(depth):
+            if len(step_params.generators) != active:  # rows at their length dropped out
+                step_params = sampling_params(rows.subset(range(active)), self.device)
             logits = self._intersection_logits(logits)
             with timer.phase("sample"):
                 shared = None
-                if not params.all_greedy:
-                    params.generators, shared = position_generators(
-                        keys, [pos + j for pos in rows.positions], seeded, salt, self.device)
-                idx, q = sample_drafts(logits, params, shared)
-            index[:, j] = idx
+                if not step_params.all_greedy:
+                    step_params.generators, shared = position_generators(
+                        keys[:active], [pos + j for pos in rows.positions[:active]], seeded[:active], salt,
+                        self.device)
+                idx, q = sample_drafts(logits, step_params, shared)
+            index[:active, j] = idx
             qs.append(q)
-            if j + 1 < k:
-                next_tokens = self._draft_ids[idx].tolist()  # TODO(GPU): a host sync per position
+            if j + 1 < depth:
+                go_on = sum(1 for n in lengths[:active] if n > j + 1)
+                next_tokens = self._draft_ids[idx[:go_on]].tolist()  # TODO(GPU): a host sync per position
                 with timer.phase("drafter_forward"):
-                    logits = self.runtime.forward(rows.req_ids, lengths, [[t] for t in next_tokens])
-                lengths = [n + 1 for n in lengths]
+                    logits = self.runtime.forward(rows.req_ids[:go_on], context[:go_on],
+                                                  [[t] for t in next_tokens])
+                context = [n + 1 for n in context[:go_on]]
+                active = go_on
         return DraftBatch(target_ids=self._target_ids[index], q=None if params.all_greedy else qs)

@@ -148,6 +148,14 @@ def worker_drafter(worker) -> Any:
     return getattr(getattr(worker, "model_runner", None), "drafter", None)
 
 
+def module_param_bytes(model) -> int:
+    """Bytes of a loaded model's weights in this process (under tensor parallelism: this rank's shard)."""
+    try:
+        return int(sum(p.numel() * p.element_size() for p in model.parameters()))
+    except Exception:  # noqa: BLE001 - a model without parameters(): the policy's default cost
+        return 0
+
+
 def tp_rank() -> int:
     """This worker's global rank (for stats and logs; never for drafting decisions)."""
     import torch

@@ -15,6 +15,7 @@ from typing import Any
 from vllm_usd import envs
 from vllm_usd.vllm_adapter import fingerprints
 
+CPU_ONLY = ("cpu_expand_fix", "cpu_empty_topk_fix")  # patches that apply on vLLM's CPU platform only
 
 def _installed_platform() -> dict[str, Any]:
     """Platform facts that need the installed vLLM imported (never for a source tree)."""
@@ -79,7 +80,7 @@ def diagnose(vllm_source: str | Path | None = None) -> dict[str, Any]:
     patch_reports = []
     for name, patch in PATCHES.items():
         checks = fingerprints.check(root, patch.needs)
-        applies = None if platform["on_cpu"] is None else (name != "cpu_expand_fix" or platform["on_cpu"])
+        applies = None if platform["on_cpu"] is None else (name not in CPU_ONLY or platform["on_cpu"])
         patch_reports.append({"name": name, "needs": list(patch.needs), "applies_here": applies,
                               "match": all(c.status == fingerprints.MATCH for c in checks),
                               "functions": [c.as_dict() for c in checks]})

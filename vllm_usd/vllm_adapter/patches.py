@@ -15,6 +15,12 @@ fingerprint of a vLLM release vllm-usd was checked against; otherwise
   returns uninitialised memory for float and int32 inputs (the CPU kernel
   writes into an int64 copy that is never copied back). It is replaced by a
   ``torch.repeat_interleave`` equivalent. See docs/cpu-expand-bug.md.
+- ``cpu_empty_topk_fix``: on CPU, the rejection sampler's top-k path
+  (``apply_top_k_only``, reached from ``apply_sampling_constraints``) calls
+  ``k.max()`` on an empty tensor when a step verifies no drafts at all (every
+  request got an empty list, as adaptive lengths often choose) and the batch
+  samples with top-k but no top-p: the engine dies. The rejection sampler's
+  ``apply_top_k_top_p`` is wrapped to return an empty input unchanged.
 - ``frontend_check``: wraps ``EngineArgs.create_engine_config`` so that, in the
   user's own process and before any engine process starts, a vllm-usd
   ``speculative_config`` is checked (``frontend.check_engine_config``).
@@ -122,6 +128,32 @@ def install_cpu_expand_fix() -> bool:
     return True
 
 
+# --- cpu_empty_topk_fix -------------------------------------------------------------------------
+def _wrap_top_k_top_p(original):
+    @functools.wraps(original)
+    def apply_top_k_top_p(logits: torch.Tensor, k, p):  # logits: [num_draft_tokens, vocab]
+        if logits.shape[0] == 0:  # no drafts this step: nothing to mask (vLLM's top-k path fails on it)
+            return logits
+        return original(logits, k, p)
+
+    return apply_top_k_top_p
+
+
+def install_cpu_empty_topk_fix() -> bool:
+    """Guard the rejection sampler's top-k/top-p masking against a step with no drafts. CPU only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if not hasattr(rs.apply_top_k_top_p, "__vllm_usd_wrapped__"):
+        wrapped = _wrap_top_k_top_p(rs.apply_top_k_top_p)
+        wrapped.__vllm_usd_wrapped__ = rs.apply_top_k_top_p  # type: ignore[attr-defined]
+        rs.apply_top_k_top_p = wrapped
+    return True
+
+
 # --- frontend_check ---------------------------------------------------------------------------
 def _wrap_create_engine_config(original):
     @functools.wraps(original)
@@ -164,6 +196,8 @@ PATCHES: dict[str, Patch] = {
                                                "create_custom_proposer",
                                                "VllmConfig._get_v2_model_runner_unsupported_features")),
     "cpu_expand_fix": Patch(install_cpu_expand_fix, ("expand_batch_to_tokens",), applies=_on_cpu),
+    # apply_sampling_constraints calls apply_top_k_top_p through rejection_sampler's module global
+    "cpu_empty_topk_fix": Patch(install_cpu_empty_topk_fix, ("apply_sampling_constraints",), applies=_on_cpu),
     "frontend_check": Patch(install_frontend_check, ("EngineArgs.create_engine_config",)),
 }
 

@@ -18,7 +18,9 @@ import torch
 from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.drafter.select import choose, open_drafter
-from vllm_usd.drafting import DraftBatch, DraftRows, IntersectionDrafting, PhaseTimer, RequestTable, StepDigests
+from vllm_usd.drafting import (DraftBatch, DraftLengthPolicy, DraftRows, FixedLength, IntersectionDrafting, PhaseTimer,
+                               RequestTable, StepCostModel, StepDigests)
+from vllm_usd.drafting.length_policy import draft_cost_from_weights
 from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
@@ -30,7 +32,7 @@ class UniversalProposer:
 
     is_vllm_usd_proposer = True
     #: the patches this proposer needs in its worker process (see patches.PATCHES)
-    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix")
+    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix")
 
     def __init__(self, vllm_config: Any) -> None:
         patches.apply(self.patches)
@@ -64,6 +66,7 @@ class UniversalProposer:
                                      always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed)
         self.strategy = IntersectionDrafting(self.mapping, self.runtime, k=self.k,
                                              pruned_head=self.config.pruned_head, timer=self.timer)
+        self.policy = self._length_policy(target_bytes=0)
         self.rank = compat.tp_rank()
         self._digests = StepDigests()
         self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device)
@@ -74,11 +77,11 @@ class UniversalProposer:
         self._warned: set[str] = set()
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
-            "%d matched by bytes only), k=%d, draft_sampling=%s",
+            "%d matched by bytes only), k=%d, draft_sampling=%s, adaptive_length=%s",
             self.config.drafter, time.perf_counter() - started, self.choice.runtime, self.choice.dtype,
             self.choice.device, self.mapping.size,
             100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
-            self.mapping.byte_only_matches, self.k, self.config.draft_sampling,
+            self.mapping.byte_only_matches, self.k, self.config.draft_sampling, self.config.adaptive_length,
         )
 
     def _drafter_max_len(self, vllm_config: Any) -> int:
@@ -88,9 +91,27 @@ class UniversalProposer:
         target = compat.target_max_model_len(vllm_config)
         return 2 * target + self.k if target else 1 << 30
 
+    def _length_policy(self, target_bytes: int) -> DraftLengthPolicy | FixedLength:
+        """usd.adaptive_length: the draft-length policy, its costs from the settings and the weights' sizes."""
+        cfg = self.config
+        if not cfg.adaptive_length:
+            return FixedLength(self.k)
+        draft_cost = cfg.draft_cost
+        if draft_cost is None:
+            draft_cost = draft_cost_from_weights(self.runtime.param_bytes, target_bytes)
+        costs = StepCostModel(draft_cost=float(draft_cost), verify_token_cost=float(cfg.verify_token_cost),
+                              compute_bound_tokens=float(cfg.compute_bound_tokens))
+        return DraftLengthPolicy(self.k, costs, probe_interval=cfg.probe_interval, counters=self.requests.counters)
+
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
-        """vLLM calls this after loading the target; the drafter is already loaded."""
+        """vLLM calls this after loading the target; the drafter is already loaded.
+
+        The policy's drafter cost follows the weights' sizes: this rank's target shard, which
+        tensor parallelism makes the same size on every rank.
+        """
+        if self.config.adaptive_length and self.config.draft_cost is None:
+            self.policy = self._length_policy(compat.module_param_bytes(target_model))
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
         self._runner = runner
@@ -127,6 +148,7 @@ class UniversalProposer:
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
             "drafter_device": self.choice.device,
+            "draft_cost": getattr(getattr(self.policy, "costs", None), "draft_cost", None),
         }
 
     # -- one step ------------------------------------------------------------------------------
@@ -146,10 +168,11 @@ class UniversalProposer:
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
             rows = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            rows, lengths = self._choose_lengths(rows, num_rows)
             drafts: list[list[int]] = [[] for _ in range(num_rows)]
             if len(rows):
-                batch = self.strategy.draft(rows, self._draft_salt())
-                self._hand_over(rows, batch, drafts)
+                batch = self.strategy.draft(rows, self._draft_salt(), lengths)
+                self._hand_over(rows, batch, lengths, drafts)
             return drafts
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             self._recover(exc, num_rows)
@@ -165,10 +188,25 @@ class UniversalProposer:
         runner = self._runner
         for req_id in compat.scheduler_gone_req_ids(self._scheduler_output):
             self.requests.forget(req_id)
-        self.requests.keep_only(compat.runner_live_req_ids(runner))
+        live = compat.runner_live_req_ids(runner)
+        self.requests.keep_only(live)
+        self.policy.forget_all_but(live)
+        req_ids = compat.runner_req_ids(runner)
+        self.policy.observe(req_ids, sampled_token_ids)
         with self.timer.phase("translate"):
-            return self.requests.collect(compat.runner_req_ids(runner), sampled_token_ids, num_tokens, token_ids,
+            return self.requests.collect(req_ids, sampled_token_ids, num_tokens, token_ids,
                                          lambda req_id: compat.request_sampling(runner, req_id))
+
+    def _choose_lengths(self, rows: DraftRows, batch: int) -> tuple[DraftRows, list[int]]:
+        """Each row's length from the policy; rows at 0 leave the step, the rest go longest first."""
+        lengths = self.policy.lengths(rows.req_ids, [s.key for s in rows.states], batch)
+        for n in lengths:
+            self.counters[f"length_{n}"] += 1
+        order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+        if len(order) == len(rows) and order == list(range(len(rows))):
+            return rows, lengths
+        self.requests.skip(rows.subset([i for i, n in enumerate(lengths) if n == 0]))
+        return rows.subset(order), [lengths[i] for i in order]
 
     def _draft_salt(self) -> int:
         """Mixed into every unseeded draw: equal on every rank (usd.seed)."""
@@ -178,10 +216,10 @@ class UniversalProposer:
         """q per draft position ([B, n], intersection order), or None when no row sampled."""
         return batch.q
 
-    def _hand_over(self, rows: DraftRows, batch: DraftBatch, drafts: list[list[int]]) -> None:
-        """Drafts into vLLM's per-row lists; q into the buffer the runner hook passes on."""
+    def _hand_over(self, rows: DraftRows, batch: DraftBatch, lengths: list[int], drafts: list[list[int]]) -> None:
+        """Drafts, each cut to its length, into vLLM's per-row lists; q into the buffer the runner hook passes on."""
         with self.timer.phase("map_and_q"):
-            target = batch.target_ids.tolist()  # [B, k]: the one host copy of the step
+            target = [ids[:n] for ids, n in zip(batch.target_ids.tolist(), lengths)]  # the one host copy of the step
             for row, ids in zip(rows.rows, target):
                 drafts[row] = ids
             qs = self._q_for_sampler(batch)
@@ -189,6 +227,7 @@ class UniversalProposer:
                 self._last_q = self._q_buffer.fill(rows.rows, qs, len(drafts))
         if self.config.debug_digests:
             self._digests.record(rows.rows, rows.req_ids, target, qs)
+        self.policy.drafted(rows.req_ids, lengths)
         self.counters["steps"] += 1
         self.counters["drafted_rows"] += len(rows)
 

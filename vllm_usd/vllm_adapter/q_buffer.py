@@ -25,7 +25,10 @@ class DraftProbsBuffer:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
     def fill(self, rows: list[int], qs: list[torch.Tensor], num_rows: int) -> torch.Tensor:
-        """rows[b] is the batch row of q[b]; qs[j] is [B, n] for draft position j."""
+        """rows[b] is the batch row of q[b]; qs[j] is [B_j, n] for draft position j, its rows ``rows[:B_j]``.
+
+        Positions past a row's length keep whatever they held: vLLM reads q[row, :num_drafts] only.
+        """
         buf = self._buf
         if buf is None or buf.shape[0] < num_rows:
             cap = max(num_rows, 2 * (buf.shape[0] if buf is not None else 4))
@@ -33,11 +36,11 @@ class DraftProbsBuffer:
             self._buf = buf
         cols = self._cols[0]
         first = rows[0]
-        if rows == list(range(first, first + len(rows))):  # the usual case: every row drafted
+        if rows == list(range(first, first + len(rows))):  # the usual case: contiguous rows
             for j, q in enumerate(qs):
-                buf[first:first + len(rows), j].index_copy_(1, cols, q)
+                buf[first:first + q.shape[0], j].index_copy_(1, cols, q)
         else:
             row_idx = torch.tensor(rows, dtype=torch.long, device=buf.device).unsqueeze(-1)  # [B, 1]
             for j, q in enumerate(qs):
-                buf[:, j].index_put_((row_idx, self._cols), q)
+                buf[:, j].index_put_((row_idx[:q.shape[0]], self._cols), q)
         return buf[:num_rows]

@@ -1,0 +1,133 @@
+"""UniversalProposer with the draft-length policy (usd.adaptive_length), against a fake runner. No engine."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.fakes import FakeRunner, sampling, vllm_config
+from vllm_usd import UniversalProposer
+from vllm_usd.drafting import DraftLengthPolicy, FixedLength
+
+# costs under which lengths 1..3 compete on the tiny pair at batch 3 (never compute-bound)
+VARYING = {"draft_cost": 0.05, "compute_bound_tokens": 100.0}
+
+
+def _pair():
+    from tests.fixtures import tiny
+
+    return tiny.build_distribution_pair()
+
+
+def _proposer(**usd):
+    target, drafter = _pair()
+    return UniversalProposer(vllm_config(target, {"drafter": drafter, **usd}, k=3))
+
+
+def _prompt(text):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_pair()[0])(text).input_ids
+
+
+def _force(p, table: dict[str, int]) -> None:
+    p.policy.lengths = lambda req_ids, keys, batch: [table[r] for r in req_ids]
+
+
+def _spy_forwards(p) -> list[list[str]]:
+    calls: list[list[str]] = []
+    real = p.runtime.forward
+    p.runtime.forward = lambda ids, keep, new: calls.append(list(ids)) or real(ids, keep, new)
+    return calls
+
+
+def test_policy_on_by_default_and_off_gives_fixed_k():
+    assert isinstance(_proposer().policy, DraftLengthPolicy)
+    assert isinstance(_proposer(adaptive_length=False).policy, FixedLength)
+    assert _proposer().stats()["draft_cost"] == 0.25, "tiny pair: drafter and target are the same size"
+
+
+def test_rows_get_the_policys_lengths_and_length_0_rows_cost_no_forward():
+    p = _proposer()
+    runner = FakeRunner()
+    for r, text, params in (("a", " the keeper", sampling(0.0)), ("b", " it was", sampling(0.0)),
+                            ("c", " a small house", sampling(0.9, seed=3)), ("d", " the boat", sampling(1.0))):
+        runner.add(r, _prompt(text), params)
+    _force(p, {"a": 3, "b": 0, "c": 1, "d": 2})
+    calls = _spy_forwards(p)
+    drafts = runner.step(p, {})
+    assert {r: len(d) for r, d in drafts.items()} == {"a": 3, "b": 0, "c": 1, "d": 2}
+    # longest first; a row leaves the drafter's batch once it has its drafts; "b" never enters it
+    assert calls == [["a", "d", "c"], ["a", "d"], ["a"]]
+    q = p.take_last_draft_probs()
+    assert q is not None and q.shape == (4, 3, p.target_vocab_size)
+    for row, req in enumerate("abcd"):
+        for j, tok in enumerate(drafts[req]):
+            assert abs(float(q[row, j].sum()) - 1) < 1e-4 and q[row, j, tok] > 0, (req, j)
+    assert torch.equal(q[0].max(-1).values, torch.ones(3)), "greedy row: one-hot q"
+    counters = p.stats()["counters"]
+    assert [counters[f"length_{n}"] for n in range(4)] == [1, 1, 1, 1] and counters["drafted_rows"] == 3
+
+    fixed = _proposer(adaptive_length=False)
+    solo = FakeRunner()
+    solo.add("a", runner.history["a"])
+    assert drafts["a"] == solo.step(fixed, {})["a"], "a greedy row's drafts do not depend on the others' lengths"
+
+
+def test_a_request_skipped_for_steps_drafts_as_if_fresh():
+    """While a request gets no drafts its drafter cache falls behind: it must be caught up, not trusted."""
+    p = _proposer()
+    runner = FakeRunner()
+    runner.add("a", _prompt(" the keeper of the light"))
+    _force(p, {"a": 3})
+    first = runner.step(p, {})["a"]
+    other = [t for t in p.mapping.target_ids.tolist() if t not in first]
+    _force(p, {"a": 0})
+    assert runner.step(p, {"a": [other[0]]})["a"] == []  # first draft rejected, then skipped
+    assert runner.step(p, {"a": [other[1]]})["a"] == []
+    _force(p, {"a": 3})
+    resumed = runner.step(p, {"a": [other[2]]})["a"]
+    fresh, solo = _proposer(adaptive_length=False), FakeRunner()
+    solo.add("a", runner.history["a"])
+    assert resumed == solo.step(fresh, {})["a"]
+
+
+def test_fixed_length_drafts_exactly_as_a_policy_that_always_says_k():
+    def run(**usd):
+        p = _proposer(debug_digests=True, **usd)
+        if usd.get("adaptive_length", True):
+            _force(p, {"g": 3, "s": 3, "t": 3})
+        runner = FakeRunner()
+        runner.add("g", _prompt(" the keeper"), sampling(0.0))
+        runner.add("s", _prompt(" it was"), sampling(0.8, top_p=0.9))
+        runner.add("t", _prompt(" a small"), sampling(1.2, top_k=5, seed=9))
+        out = [runner.step(p, {})]
+        for _ in range(3):
+            out.append(runner.step(p, {r: d[:2] for r, d in out[-1].items()}))
+        return out, p.digests
+
+    assert run(adaptive_length=False) == run()
+
+
+def _ranks(rank_count: int = 2):
+    """Proposers fed the same steps, as tensor-parallel ranks are; the policy on. Returns their steps."""
+    out = []
+    for rank in range(rank_count):
+        p = _proposer(debug_digests=True, **VARYING)
+        p.rank = rank
+        runner = FakeRunner()
+        runner.add("greedy", _prompt(" the keeper"), sampling(0.0))
+        runner.add("free", _prompt(" it was"), sampling(1.0))
+        runner.add("seeded", _prompt(" a small house"), sampling(0.8, top_p=0.9, seed=7))
+        accept = {"greedy": 3, "free": 1, "seeded": 0}
+        steps = [runner.step(p, {})]
+        for _ in range(10):
+            steps.append(runner.step(p, {r: d[:accept[r]] or runner.history[r][-1:] for r, d in steps[-1].items()}))
+        out.append((steps, p.digests, {k: v for k, v in p.counters.items() if k.startswith("length_")}))
+    return out
+
+
+def test_ranks_choose_identical_lengths_drafts_and_q():
+    (steps0, digests0, lengths0), (steps1, digests1, lengths1) = _ranks()
+    assert steps0 == steps1 and digests0 == digests1 and lengths0 == lengths1
+    per_step = {len(d) for step in steps0 for d in step.values()}
+    assert len(per_step) >= 2, f"the power check needs lengths that vary: {lengths0}"

@@ -1,0 +1,114 @@
+"""DraftLengthPolicy on synthetic acceptance and cost streams. No model, no engine."""
+
+from __future__ import annotations
+
+from vllm_usd.drafting.length_policy import (DraftLengthPolicy, FixedLength, StepCostModel,
+                                             draft_cost_from_weights)
+
+K = 4
+CHEAP = StepCostModel(draft_cost=0.02, verify_token_cost=0.045, compute_bound_tokens=5)
+COMPUTE_BOUND = StepCostModel(draft_cost=0.0, verify_token_cost=0.045, compute_bound_tokens=1)
+
+
+def _step(policy: DraftLengthPolicy, accepted: dict[str, int], batch: int = 1, keys: dict[str, int] | None = None):
+    """One engine step: choose lengths, then report ``accepted[r]`` accepted drafts (capped by the length)."""
+    req_ids = list(accepted)
+    lengths = policy.lengths(req_ids, [(keys or {}).get(r, 0) for r in req_ids], batch)
+    drafted = [r for r, n in zip(req_ids, lengths) if n]
+    policy.drafted(drafted, [n for n in lengths if n])
+    policy.observe(req_ids, [[0] * (1 + min(accepted[r], n)) for r, n in zip(req_ids, lengths)])
+    return dict(zip(req_ids, lengths))
+
+
+def test_cost_model_shape():
+    # batch 1: three more verified tokens cost ~1.13x one
+    assert abs(StepCostModel(draft_cost=0.0).relative_cost(1, 3) - 1.135) < 1e-9
+    # batch 8 on the defaults: compute-bound, k+1 tokens cost about k+1 plain steps
+    assert StepCostModel(draft_cost=0.0).relative_cost(8, 3) > 3.5
+    assert draft_cost_from_weights(100, 100) == 0.25 and draft_cost_from_weights(50, 100) == 0.15
+    assert draft_cost_from_weights(0, 0) == 0.25, "sizes unknown: the drafter costs like an equal-sized one"
+
+
+def test_drafts_long_when_acceptance_is_high_and_drafting_cheap():
+    policy = DraftLengthPolicy(K, CHEAP)
+    lengths = [_step(policy, {"a": K})["a"] for _ in range(10)]
+    assert lengths[-1] == K and all(n == K for n in lengths[1:]), lengths
+    assert policy.acceptance("a")[0] > 0.9
+
+
+def test_drafts_nothing_when_verification_costs_k_plus_1_plain_steps():
+    policy = DraftLengthPolicy(K, COMPUTE_BOUND, probe_interval=2)
+    seen = [_step(policy, {"a": K, "b": K}, batch=4) for _ in range(20)]
+    assert all(n == 0 for step in seen for n in step.values()), seen
+    assert policy.counters.get("probes", 0) == 0, "where even perfect acceptance cannot pay, no probes"
+    # the default costs at batch 8 and 32 (compute-bound on this CPU): no drafts either
+    for batch in (8, 32):
+        default = DraftLengthPolicy(3, StepCostModel(draft_cost=0.1))
+        assert set(_step(default, {"a": 3}, batch=batch).values()) == {0}
+
+
+def test_later_positions_that_rarely_pass_are_not_drafted():
+    """Per-position acceptance falling like Gemma-3 <- SmolLM2 (0.53, 0.34, 0.25, 0.15 of all drafts)."""
+    policy = DraftLengthPolicy(K, StepCostModel(draft_cost=0.1))
+    # a repeating 20-step pattern of accepted counts with P(>= j accepted) = 0.53, 0.34, 0.25, 0.15
+    pattern = [0] * 9 + [1] * 4 + [2] * 2 + [3] * 2 + [4] * 3
+    lengths = [_step(policy, {"a": pattern[(i * 7) % 20]})["a"] for i in range(200)]
+    late = lengths[100:]
+    assert 0 < max(late) < K and min(late) >= 1, sorted(set(late))
+
+
+def test_recovers_when_acceptance_comes_back():
+    policy = DraftLengthPolicy(K, CHEAP, probe_interval=4)
+    for _ in range(5):
+        _step(policy, {"a": K})
+    assert _step(policy, {"a": K})["a"] == K
+    bad = [_step(policy, {"a": 0})["a"] for _ in range(40)]
+    assert bad[-12:].count(0) >= 8, f"no acceptance: the request mostly stops drafting ({bad})"
+    assert 1 in bad[-12:], "but it is probed with one draft now and then"
+    probes = policy.counters["probes"]
+    good = [_step(policy, {"a": K})["a"] for _ in range(40)]
+    assert good[-1] == K, good
+    first_back = next(i for i, n in enumerate(good) if n > 1)
+    assert first_back <= 12, good
+    assert policy.counters["probes"] > probes
+
+
+def test_probes_are_deterministic_and_staggered_by_request_key():
+    def run():
+        policy = DraftLengthPolicy(K, CHEAP, probe_interval=4)
+        reqs = {f"r{i}": 0 for i in range(4)}
+        return [_step(policy, reqs, keys={f"r{i}": 1000 + i for i in range(4)}) for _ in range(24)]
+
+    first, second = run(), run()
+    assert first == second
+    late = first[12:]
+    probed_at = {r: [i for i, step in enumerate(late) if step[r]] for r in late[0]}
+    assert all(probed_at.values()), probed_at
+    assert len({tuple(v) for v in probed_at.values()}) == 4, f"requests probe on different steps: {probed_at}"
+
+
+def test_new_requests_start_from_the_pooled_estimate():
+    policy = DraftLengthPolicy(K, StepCostModel(draft_cost=0.1))
+    assert _step(policy, {"first": K})["first"] > 0, "before any data the prior drafts"
+    for i in range(60):
+        _step(policy, {f"old{i}": 0})
+    assert policy.lengths(["new"], [1], 1) == [0], "a pair that never accepts: new requests start without drafts"
+
+
+def test_requests_without_evidence_keep_their_estimate():
+    policy = DraftLengthPolicy(K, CHEAP)
+    for _ in range(5):
+        _step(policy, {"a": K})
+    before = policy.acceptance("a")
+    policy.drafted(["a"], [K])
+    policy.observe(["a"], [[]])  # a discarded step: nothing emitted
+    policy.observe(["a"], [[0]])  # and the next one has nothing pending: no evidence either
+    assert policy.acceptance("a") == before
+    policy.forget_all_but(set())
+    assert policy.acceptance("a") != before, "a forgotten request starts again from the pooled estimate"
+
+
+def test_fixed_length_is_k():
+    fixed = FixedLength(3)
+    fixed.observe(["a"], [[1]])
+    assert fixed.lengths(["a", "b"], [0, 1], 64) == [3, 3]

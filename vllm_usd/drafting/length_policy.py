@@ -1,0 +1,214 @@
+"""Adaptive draft length: per request and step, the number of drafts (0..k) that pays most.
+
+Each step a request gets the length L that maximises
+
+    (E[accepted drafts | L] + 1) / R(L)
+
+where E comes from the request's own recent per-position acceptance (decayed
+counts, shrunk towards a pooled estimate from every request of the pair), and
+R(L) is the step's cost when the batch drafts L per request, relative to the
+plain target step (``StepCostModel``). L = 0 scores exactly 1, so a length is
+chosen only when it beats the target alone; then the drafter does no work for
+the request. A request left at 0 is probed with one draft every
+``probe_interval`` of its steps, but only where drafting could pay at all
+(perfect acceptance would beat the target alone), so that its estimate cannot
+freeze at 0.
+
+Determinism: the choice depends only on acceptance counts (from the tokens
+every rank samples alike), the batch size, the configured cost model and the
+request's key: never on timings, randomness or this step's target output. Every
+tensor-parallel rank chooses the same lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, MutableMapping, Sequence
+
+DECAY = 0.9  # a request's counts fade by this at each of its observed steps (~10 steps of memory)
+PRIOR_WEIGHT = 3.0  # pseudo-steps of the pooled estimate inside a request's estimate
+POOL_MAX_WEIGHT = 256.0  # the pooled counts are a moving average over about this many drafts per position
+INITIAL_ACCEPTANCE = 0.7  # the pooled estimate before any step was seen (the pair's first steps draft)
+INITIAL_WEIGHT = 4.0
+MIN_GAIN = 1.02  # a length must beat the target alone by 2%: the model's errors must not make it slower
+
+# cost defaults, measured on the 2-core CPU VM (benchmarks/results/2026-11-30-vm.md, 2026-12-01-drafter-step.json)
+VERIFY_TOKEN_COST = 0.045  # at batch 1, verifying 3 more tokens costs ~1.13x one token
+COMPUTE_BOUND_TOKENS = 5.0  # Gemma-3 270M: 8 tokens a step cost 1.6-2.2x one, 32 cost 5.4-7x
+DRAFT_COST_FIXED = 0.05  # a drafter forward: fixed share of a target step, ...
+DRAFT_COST_PER_WEIGHT = 0.2  # ... plus this times drafter bytes / target bytes (tiny pair: 0.25; measured 0.2-0.33)
+
+
+def draft_cost_from_weights(drafter_bytes: int, target_bytes: int) -> float:
+    """A drafter forward for one request, relative to a plain target step at batch 1."""
+    ratio = drafter_bytes / target_bytes if drafter_bytes > 0 and target_bytes > 0 else 1.0
+    return round(DRAFT_COST_FIXED + DRAFT_COST_PER_WEIGHT * ratio, 4)
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Engine step time in units of a plain target step at batch 1.
+
+    The target step with N tokens costs max(1 + verify_token_cost * (N - 1), N / compute_bound_tokens):
+    nearly flat while reading the weights dominates, then linear once compute-bound. Each
+    drafted token adds one drafter forward of ``draft_cost`` per request.
+    """
+
+    draft_cost: float = DRAFT_COST_FIXED + DRAFT_COST_PER_WEIGHT
+    verify_token_cost: float = VERIFY_TOKEN_COST
+    compute_bound_tokens: float = COMPUTE_BOUND_TOKENS
+
+    def target_step(self, tokens: int) -> float:
+        return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
+
+    def relative_cost(self, batch: int, length: int) -> float:
+        """The step's time when each of ``batch`` requests drafts ``length``, over the plain step."""
+        batch = max(batch, 1)
+        drafted = self.target_step(batch * (1 + length)) + batch * length * self.draft_cost
+        return drafted / self.target_step(batch)
+
+
+class _Acceptance:
+    """Decayed counts per draft position: drafts offered there (all before accepted) and accepted."""
+
+    __slots__ = ("offered", "accepted")
+
+    def __init__(self, k: int, offered: float = 0.0, accepted: float = 0.0) -> None:
+        self.offered = [offered] * k
+        self.accepted = [accepted] * k
+
+    def add(self, length: int, num_accepted: int, decay: float) -> None:
+        if decay != 1.0:
+            self.offered = [x * decay for x in self.offered]
+            self.accepted = [x * decay for x in self.accepted]
+        for j in range(min(num_accepted + 1, length)):
+            self.offered[j] += 1.0
+            if j < num_accepted:
+                self.accepted[j] += 1.0
+
+    def rate(self, j: int) -> float:
+        return self.accepted[j] / self.offered[j] if self.offered[j] > 0 else 0.0
+
+
+class _RequestRecord:
+    __slots__ = ("counts", "steps", "drafted")
+
+    def __init__(self, k: int) -> None:
+        self.counts = _Acceptance(k)
+        self.steps = 0  # this request's steps seen by the policy
+        self.drafted = 0  # drafts handed over last step (0: nothing to observe)
+
+
+class DraftLengthPolicy:
+    """Chooses each request's draft length from its past acceptance and the step's cost."""
+
+    def __init__(self, k: int, costs: StepCostModel | None = None, *, probe_interval: int = 8,
+                 counters: MutableMapping[str, int] | None = None) -> None:
+        self.k = k
+        self.costs = costs or StepCostModel()
+        self.probe_interval = max(int(probe_interval), 1)
+        self.counters: MutableMapping[str, int] = counters if counters is not None else {}
+        self._pool = _Acceptance(k, INITIAL_WEIGHT, INITIAL_WEIGHT * INITIAL_ACCEPTANCE)
+        self._records: dict[str, _RequestRecord] = {}
+
+    # -- what happened last step -----------------------------------------------------------
+    def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        """Row i of the batch emitted ``sampled_token_ids[i]``: its accepted drafts and one more token."""
+        for req_id, sampled in zip(req_ids, sampled_token_ids):
+            record = self._records.get(req_id)
+            if record is None or not record.drafted:
+                continue
+            length, record.drafted = record.drafted, 0
+            if not sampled:
+                continue  # nothing emitted (discarded step): no evidence
+            num_accepted = min(len(sampled) - 1, length)
+            record.counts.add(length, num_accepted, DECAY)
+            self._pool.add(length, num_accepted, 1.0)
+        self._cap_pool()
+
+    def _cap_pool(self) -> None:
+        pool = self._pool
+        for j in range(self.k):
+            if pool.offered[j] > POOL_MAX_WEIGHT:
+                scale = POOL_MAX_WEIGHT / pool.offered[j]
+                pool.offered[j] *= scale
+                pool.accepted[j] *= scale
+
+    def drafted(self, req_ids: Sequence[str], lengths: Sequence[int]) -> None:
+        """What was handed over this step: observed from the next step's sampled tokens."""
+        for req_id, length in zip(req_ids, lengths):
+            self._record(req_id).drafted = length
+
+    def forget_all_but(self, live: Collection[str]) -> None:
+        """Drop the records of requests the engine no longer holds."""
+        if len(self._records) > len(live):
+            for req_id in [r for r in self._records if r not in live]:
+                del self._records[req_id]
+
+    def _record(self, req_id: str) -> _RequestRecord:
+        record = self._records.get(req_id)
+        if record is None:
+            record = self._records[req_id] = _RequestRecord(self.k)
+        return record
+
+    # -- this step ---------------------------------------------------------------------------
+    def acceptance(self, req_id: str) -> list[float]:
+        """Estimated acceptance at each draft position, given the earlier ones were accepted."""
+        counts = self._record(req_id).counts
+        pool = self._pool
+        return [(counts.accepted[j] + PRIOR_WEIGHT * pool.rate(j)) / (counts.offered[j] + PRIOR_WEIGHT)
+                for j in range(self.k)]
+
+    def best_length(self, acceptance: Sequence[float], batch: int) -> int:
+        """The length with the most (expected accepted + 1) per unit of step time; 0 unless one pays."""
+        best, best_score = 0, MIN_GAIN
+        expected, reach = 0.0, 1.0
+        for length in range(1, self.k + 1):
+            reach *= acceptance[length - 1]
+            expected += reach
+            score = (expected + 1.0) / self.costs.relative_cost(batch, length)
+            if score > best_score:
+                best, best_score = length, score
+        return best
+
+    def _probe_pays(self, batch: int) -> bool:
+        return self.best_length([1.0] * self.k, batch) > 0
+
+    def lengths(self, req_ids: Sequence[str], keys: Sequence[int], batch: int) -> list[int]:
+        """This step's length for each request (``keys``: the requests' stable keys, equal on every rank).
+
+        ``batch``: requests in the target's step (drafted or not).
+        """
+        out: list[int] = []
+        probe_pays: bool | None = None
+        for req_id, key in zip(req_ids, keys):
+            record = self._record(req_id)
+            record.steps += 1
+            length = self.best_length(self.acceptance(req_id), batch)
+            if length == 0 and (record.steps + key) % self.probe_interval == 0:
+                if probe_pays is None:
+                    probe_pays = self._probe_pays(batch)
+                if probe_pays:
+                    length = 1
+                    self.counters["probes"] = self.counters.get("probes", 0) + 1
+            out.append(length)
+        return out
+
+
+class FixedLength:
+    """``adaptive_length: false``: every request drafts k, as before the policy."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        pass
+
+    def drafted(self, req_ids: Sequence[str], lengths: Sequence[int]) -> None:
+        pass
+
+    def forget_all_but(self, live: Collection[str]) -> None:
+        pass
+
+    def lengths(self, req_ids: Sequence[str], keys: Sequence[int], batch: int) -> list[int]:
+        return [self.k] * len(req_ids)
