@@ -298,4 +298,6 @@ def test_adaptive_abort_logprobs_and_state(plain, usd_adaptive):
     stats = usd_adaptive["stats"]
     assert stats["request_states"] == 0 and stats["counters"].get("failed_steps", 0) == 0, stats
     lengths = {key: n for key, n in stats["counters"].items() if key.startswith("length_")}
-    assert len([n for key, n in lengths.items() if n and key != "length_0"]) >= 2, lengths
+    # the policy chose every row's length (under these cheap costs the feature cases accept well
+    # and mostly get k; lengths that vary are shown in test_engine_distribution_pair)
+    assert sum(lengths.values()) >= stats["counters"]["drafted_rows"] > 0, (lengths, stats["counters"])

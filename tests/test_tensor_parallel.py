@@ -123,3 +123,26 @@ def test_digests_catch_rank_local_randomness_at_tp2(pair):
         llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
         rank0, rank1 = llm.collective_rpc(draft_digests)
     assert rank0 and rank1 and rank0 != rank1
+
+
+def test_adaptive_lengths_are_the_same_on_every_rank(pair, tp1_plain):
+    """With the draft-length policy on, both ranks choose the same lengths (and so the same drafts and q),
+    under costs that make the lengths vary (as in test_feature_matrix.ADAPTIVE)."""
+    from vllm import SamplingParams
+
+    from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
+
+    target, drafter = pair
+    usd = {"debug_digests": True, "adaptive_length": True, "draft_cost": 0.003, "verify_token_cost": 0.01,
+           "compute_bound_tokens": 1e6}
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
+                distributed_executor_backend="mp", env=_bind_env(), usd=usd) as llm:
+        greedy = token_ids(llm.generate(LOWERCASE, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                                        use_tqdm=False))
+        llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
+        rank0, rank1 = llm.collective_rpc(draft_digests)
+        stats = llm.collective_rpc(proposer_stats)
+    assert greedy == tp1_plain["greedy"]
+    lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]
+    assert lengths[0] == lengths[1] and any(n for key, n in lengths[0].items() if key != "length_0"), lengths
+    assert rank0 and rank0 == rank1
