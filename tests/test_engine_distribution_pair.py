@@ -230,3 +230,20 @@ def test_adaptive_planted_bug_is_caught(pair, baseline):
     p = homogeneity_pvalue(baseline["t1"], samples)
     print(f"planted bug ScrambleQProposer, adaptive lengths: p = {p:.2e}")
     assert p < 1e-6, f"planted bug not detected with adaptive lengths: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_each_drafter_format_is_lossless(pair, baseline, dtype):
+    """The drafter in int8 (and float32, beside the default bfloat16): greedy equal to the target alone,
+    and the same sampling-distribution test (N = 20,000, pass at p >= 1e-3): q is the format's own."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd={"drafter_dtype": dtype, "profile": True}) as llm:
+        greedy = _greedy(llm)
+        accepted = spec_counts(llm)["accepted"]
+        samples = _samples(llm, "t1")
+        stats = proposer_stats(llm)
+    assert stats["drafter_dtype"] == dtype and stats["drafter_runtime"] == "transformers", stats
+    assert greedy == baseline["greedy"] and accepted > 0
+    p = homogeneity_pvalue(baseline["t1"], samples)
+    print(f"drafter {dtype}: p = {p:.2e}")
+    assert p >= 1e-3, f"USD with a {dtype} drafter changed the output distribution: p = {p:.2e}"
