@@ -78,7 +78,7 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             per_seq = max(256, per_seq // 2)
         while n_seq * per_seq * kv_bytes_per_token > kv_budget_bytes and n_seq > 1:
             n_seq //= 2
-        self.max_len = per_seq
+        self.max_len = min(per_seq, max_len)  # the cells per sequence may exceed a smaller configured cap
         self._max_requests = n_seq
         self._kv_bytes = n_seq * per_seq * kv_bytes_per_token
         threads = threads or cpu_threads()
