@@ -19,8 +19,9 @@ def _pair():
 
 
 def _proposer(**usd):
+    """TLI for every request (these test the policy's lengths; test_string_drafting.py tests string rows)."""
     target, drafter = _pair()
-    return UniversalProposer(vllm_config(target, {"drafter": drafter, **usd}, k=3))
+    return UniversalProposer(vllm_config(target, {"drafter": drafter, "draft_mode": "tli", **usd}, k=3))
 
 
 def _prompt(text):

@@ -21,6 +21,7 @@ def _proposer(pair, k=3, cls=UniversalProposer, **usd):
     """Fixed k unless a test asks for the draft-length policy (test_adaptive_length.py tests it)."""
     target, drafter = pair
     usd.setdefault("adaptive_length", False)
+    usd.setdefault("draft_mode", "tli")  # these test the TLI machinery; test_string_drafting.py the other mode
     return cls(vllm_config(target, {"drafter": drafter, **usd}, k=k))
 
 

@@ -44,6 +44,10 @@ class UsdConfig:
                            plain batch-1 step (default 5).
     probe_interval:        a request left without drafts gets one draft every this many of its steps,
                            where drafting could pay at all (default 8).
+    draft_mode:            "auto" (default): string-level drafting for greedy requests, intersection
+                           drafting with q (TLI) for sampled ones; "tli": TLI for all; "string": string-level
+                           drafting for all (sampled requests then verify point masses: lossless, fewer accepted).
+    string_draft_tokens:   drafter tokens per request and step in string-level drafting; null: 2k+1.
     """
 
     drafter: str
@@ -66,6 +70,8 @@ class UsdConfig:
     verify_token_cost: float = 0.045
     compute_bound_tokens: float = 5.0
     probe_interval: int = 8
+    draft_mode: str = "auto"
+    string_draft_tokens: int | None = None
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -89,11 +95,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "verify_token_cost": (int, float),
     "compute_bound_tokens": (int, float),
     "probe_interval": (int,),
+    "draft_mode": (str,),
+    "string_draft_tokens": (int, type(None)),
 }
 _CHOICES = {
     "drafter_runtime": ("auto", "transformers", "llama_cpp"),
     "drafter_dtype": ("auto", "float32", "bfloat16", "float16", "int8", "config"),
     "draft_sampling": ("auto", "greedy"),
+    "draft_mode": ("auto", "tli", "string"),
 }
 
 
@@ -138,7 +147,7 @@ def parse_usd_config(additional_config: Any) -> UsdConfig:
                 f"vllm-usd: additional_config.{CONFIG_KEY}.{key} = {value!r}; choose one of {', '.join(_CHOICES[key])}."
             )
     cfg = UsdConfig(**raw)
-    for key in ("drafter_max_model_len", "drafter_max_num_seqs"):
+    for key in ("drafter_max_model_len", "drafter_max_num_seqs", "string_draft_tokens"):
         value = getattr(cfg, key)
         if value is not None and value < 1:
             raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.{key} must be >= 1, got {value}.")

@@ -16,7 +16,7 @@ import torch
 from vllm_usd.core.mapping import VocabMapping
 
 
-def _complete_utf8_prefix(data: bytes | bytearray) -> int:
+def complete_utf8_prefix(data: bytes | bytearray) -> int:
     """Length of ``data`` without a trailing, still incomplete UTF-8 character."""
     n = len(data)
     for back in range(1, min(4, n) + 1):
@@ -199,7 +199,7 @@ class ContextTranslator:
         start = self._run_start
         assert start is not None
         run = bytes(self._run)
-        upto = len(run) if final else _complete_utf8_prefix(run)
+        upto = len(run) if final else complete_utf8_prefix(run)
         new = self._encoder.encode(run[:upto])
         old = self.draft_ids[start:]
         common = 0

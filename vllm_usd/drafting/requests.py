@@ -20,6 +20,7 @@ from vllm_usd.drafter.base import DrafterRuntime
 
 SAMPLING_EPS = 1e-5  # vLLM treats a temperature below this as greedy
 NO_LIMIT = 1 << 62
+TAIL_TOKENS = 16  # committed target ids each row carries for string drafting's re-encoding window
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class DraftRows:
     sequences: list[list[int]] = field(default_factory=list)  # drafter context, read-only this step
     unchanged: list[int] = field(default_factory=list)  # leading tokens known to match the drafter's cache
     positions: list[int] = field(default_factory=list)  # target position of the first draft
+    target_tails: list[list[int]] = field(default_factory=list)  # the last committed target ids (string drafting)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -65,7 +67,8 @@ class DraftRows:
     def subset(self, indices: Sequence[int]) -> "DraftRows":
         """These rows only, in the order of ``indices``."""
         return DraftRows(*([column[i] for i in indices] for column in (
-            self.rows, self.req_ids, self.states, self.sequences, self.unchanged, self.positions)))
+            self.rows, self.req_ids, self.states, self.sequences, self.unchanged, self.positions,
+            self.target_tails)))
 
 
 class RequestTable:
@@ -192,4 +195,5 @@ class RequestTable:
             out.sequences.append(seq)
             out.unchanged.append(known)
             out.positions.append(n)
+            out.target_tails.append(token_ids[i][max(n - TAIL_TOKENS, 0):n].tolist())
         return out

@@ -17,10 +17,13 @@ import torch
 
 from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
+from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthPolicy, DraftRows, FixedLength, IntersectionDrafting, PhaseTimer,
                                RequestTable, StepCostModel, StepDigests)
 from vllm_usd.drafting.length_policy import draft_cost_from_weights
+from vllm_usd.drafting.requests import SAMPLING_EPS
+from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
@@ -55,8 +58,9 @@ class UniversalProposer:
             revision=cfg.drafter_revision, trust_remote_code=trust,
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
+        target_tokenizer = compat.load_target_tokenizer(vllm_config)
         self.pair = DraftPair.build(
-            compat.load_target_tokenizer(vllm_config), self.draft_tokenizer,
+            target_tokenizer, self.draft_tokenizer,
             target_vocab_size=self.target_vocab_size, draft_vocab_size=opened.vocab_size,
             min_share=cfg.min_intersection,
         )
@@ -64,8 +68,14 @@ class UniversalProposer:
         self.timer = PhaseTimer(self.config.profile)
         self.requests = RequestTable(self.pair, self.runtime, k=self.k,
                                      always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed)
+        drafts_text = cfg.draft_mode != "tli"  # string drafting reads the drafter's whole head
         self.strategy = IntersectionDrafting(self.mapping, self.runtime, k=self.k,
-                                             pruned_head=self.config.pruned_head, timer=self.timer)
+                                             pruned_head=cfg.pruned_head and not drafts_text, timer=self.timer)
+        self.strings = StringDrafting(
+            self.mapping, TargetRetokenizer(target_tokenizer, self.mapping.target_table), self.runtime,
+            budget=cfg.string_draft_tokens or default_budget(self.k), timer=self.timer,
+            counters=self.requests.counters,
+        ) if drafts_text else None
         self.policy = self._length_policy(target_bytes=0)
         self.rank = compat.tp_rank()
         self._digests = StepDigests()
@@ -77,11 +87,11 @@ class UniversalProposer:
         self._warned: set[str] = set()
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
-            "%d matched by bytes only), k=%d, draft_sampling=%s, adaptive_length=%s",
+            "%d matched by bytes only), k=%d, draft_mode=%s, draft_sampling=%s, adaptive_length=%s",
             self.config.drafter, time.perf_counter() - started, self.choice.runtime, self.choice.dtype,
             self.choice.device, self.mapping.size,
             100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
-            self.mapping.byte_only_matches, self.k, self.config.draft_sampling, self.config.adaptive_length,
+            self.mapping.byte_only_matches, self.k, cfg.draft_mode, cfg.draft_sampling, cfg.adaptive_length,
         )
 
     def _drafter_max_len(self, vllm_config: Any) -> int:
@@ -171,8 +181,8 @@ class UniversalProposer:
             rows, lengths = self._choose_lengths(rows, num_rows)
             drafts: list[list[int]] = [[] for _ in range(num_rows)]
             if len(rows):
-                batch = self.strategy.draft(rows, self._draft_salt(), lengths)
-                self._hand_over(rows, batch, lengths, drafts)
+                parts, batch = self._draft(rows, lengths)
+                self._hand_over(parts, batch, drafts)
             return drafts
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             self._recover(exc, num_rows)
@@ -216,20 +226,50 @@ class UniversalProposer:
         """q per draft position ([B, n], intersection order), or None when no row sampled."""
         return batch.q
 
-    def _hand_over(self, rows: DraftRows, batch: DraftBatch, lengths: list[int], drafts: list[list[int]]) -> None:
-        """Drafts, each cut to its length, into vLLM's per-row lists; q into the buffer the runner hook passes on."""
+    def _drafts_text(self, temperature: float) -> bool:
+        """usd.draft_mode: string-level drafting for this request, or TLI with q."""
+        mode = self.config.draft_mode
+        return mode == "string" or (mode == "auto" and temperature < SAMPLING_EPS)
+
+    def _draft(self, rows: DraftRows, lengths: list[int]) -> tuple[list[tuple[DraftRows, list[list[int]]]], DraftBatch | None]:
+        """Each row with its strategy, one batched pass per strategy: (rows, target ids) per strategy,
+        and the TLI batch (its q) if any row used TLI."""
+        by_text = [i for i, s in enumerate(rows.states) if self.strings is not None and self._drafts_text(s.temperature)]
+        parts: list[tuple[DraftRows, list[list[int]]]] = []
+        batch = None
+        if by_text:
+            text_rows = rows.subset(by_text) if len(by_text) < len(rows) else rows
+            parts.append((text_rows, self.strings.draft(text_rows, [lengths[i] for i in by_text])))  # no q
+        if len(by_text) < len(rows):
+            chosen = set(by_text)
+            tli = [i for i in range(len(rows)) if i not in chosen]
+            tli_rows, tli_lengths = (rows.subset(tli), [lengths[i] for i in tli]) if by_text else (rows, lengths)
+            batch = self.strategy.draft(tli_rows, self._draft_salt(), tli_lengths)
+            with self.timer.phase("map_and_q"):
+                target = [ids[:n] for ids, n in zip(batch.target_ids.tolist(), tli_lengths)]  # the step's host copy
+            parts.append((tli_rows, target))
+        return parts, batch
+
+    def _hand_over(self, parts: list[tuple[DraftRows, list[list[int]]]], batch: DraftBatch | None,
+                   drafts: list[list[int]]) -> None:
+        """Drafts into vLLM's per-row lists; the TLI rows' q into the buffer the runner hook passes on
+        (vLLM reads no q for greedy rows, and string drafts are point masses)."""
+        qs = None
         with self.timer.phase("map_and_q"):
-            target = [ids[:n] for ids, n in zip(batch.target_ids.tolist(), lengths)]  # the one host copy of the step
-            for row, ids in zip(rows.rows, target):
-                drafts[row] = ids
-            qs = self._q_for_sampler(batch)
-            if qs is not None:
-                self._last_q = self._q_buffer.fill(rows.rows, qs, len(drafts))
+            for part_rows, target in parts:
+                for row, ids in zip(part_rows.rows, target):
+                    drafts[row] = ids
+            if batch is not None:
+                qs = self._q_for_sampler(batch)
+                if qs is not None:
+                    self._last_q = self._q_buffer.fill(parts[-1][0].rows, qs, len(drafts))
+        for part_rows, target in parts:
+            self.policy.drafted(part_rows.req_ids, [len(ids) for ids in target])
         if self.config.debug_digests:
-            self._digests.record(rows.rows, rows.req_ids, target, qs)
-        self.policy.drafted(rows.req_ids, lengths)
+            self._digests.record([r for p, _ in parts for r in p.rows], [r for p, _ in parts for r in p.req_ids],
+                                 [ids for _, t in parts for ids in t], qs)
         self.counters["steps"] += 1
-        self.counters["drafted_rows"] += len(rows)
+        self.counters["drafted_rows"] += sum(len(p) for p, _ in parts)
 
     def _recover(self, exc: Exception, num_rows: int) -> None:
         """After a failed step: warn once per kind, and drop the affected requests' state."""
