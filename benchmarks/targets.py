@@ -50,6 +50,34 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"target": "vs_transformers", "met": a >= b, "value": a / b,
                         "what": f"{pair} k={hf['k']} batch=1: usd_greedy vs transformers assisted acceptance at T=0",
                         "detail": f"{a:.2f} vs {b:.2f} = {a / b:.2f}x"})
+        # 2b. string-level drafting: acceptance >= transformers' and above TLI greedy, batch 1, T=0
+        for string in _ok(rows, pair=pair, system="usd_string", temperature=0.0, batch=1):
+            a = string.get("acceptance_length")
+            hf = _ok(rows, pair=pair, system="hf_assisted", temperature=0.0, k=string["k"])
+            tli = _ok(rows, pair=pair, system="usd_greedy", temperature=0.0, k=string["k"], batch=1)
+            if a and hf and hf[0].get("acceptance_length"):
+                b = hf[0]["acceptance_length"]
+                out.append({"target": "string_vs_transformers", "met": a >= b, "value": a / b,
+                            "what": f"{pair} k={string['k']} batch=1: usd_string vs transformers assisted "
+                                    "acceptance at T=0", "detail": f"{a:.2f} vs {b:.2f} = {a / b:.2f}x"})
+            if a and tli and tli[0].get("acceptance_length"):
+                b = tli[0]["acceptance_length"]
+                out.append({"target": "string_vs_tli", "met": a > b, "value": a / b,
+                            "what": f"{pair} k={string['k']} batch=1: usd_string vs usd_greedy (TLI) acceptance at T=0",
+                            "detail": f"{a:.2f} vs {b:.2f} = {a / b:.2f}x"})
+        # 2c. at T>0 the default rule (TLI with q for sampled requests) is no worse than string drafts
+        for string in _ok(rows, pair=pair, system="usd_string"):
+            if string["temperature"] == 0.0:
+                continue
+            tli = _ok(rows, pair=pair, system="usd_sampled", temperature=string["temperature"], k=string["k"],
+                      batch=string["batch"])
+            if tli and tli[0].get("tok_s") and string.get("tok_s"):
+                a, b = tli[0]["tok_s"], string["tok_s"]
+                out.append({"target": "auto_rule_sampled", "met": a >= b, "value": a / b,
+                            "what": f"{pair} k={string['k']} T={string['temperature']} batch={string['batch']}: "
+                                    "TLI with q (auto's choice) vs string drafts, tokens/s",
+                            "detail": f"{a:.1f} vs {b:.1f} tok/s; acceptance {tli[0].get('acceptance_length') or 0:.2f}"
+                                      f" vs {string.get('acceptance_length') or 0:.2f}"})
         # 3. at T>0 sampled drafting (with q) beats greedy drafting in acceptance
         for sampled in _ok(rows, pair=pair, system="usd_sampled"):
             greedy = _ok(rows, pair=pair, system="usd_greedy", temperature=sampled["temperature"],

@@ -42,3 +42,16 @@ class RankRngProposer(UniversalProposer):
     def _draft_salt(self) -> int:
         return super()._draft_salt() + 1 + self.rank
 
+
+
+class StringWithQProposer(UniversalProposer):
+    """Hands a q for string drafts, which were not sampled from any (uniform over the intersection):
+    vLLM then accepts them far too often."""
+
+    def _hand_over(self, parts, batch, drafts) -> None:
+        super()._hand_over(parts, batch, drafts)
+        if batch is None and parts:
+            rows = [r for part, _ in parts for r in part.rows]
+            n = self.mapping.size
+            q = torch.full((len(rows), n), 1.0 / n, device=self.runtime.device)
+            self._last_q = self._q_buffer.fill(rows, [q] * self.k, len(drafts))

@@ -36,6 +36,8 @@ def test_defaults_and_helper():
     ({"usd": {"drafter": "d", "verify_token_cost": -1}}, r"verify_token_cost must be in"),
     ({"usd": {"drafter": "d", "compute_bound_tokens": 0.5}}, r"compute_bound_tokens must be >= 1"),
     ({"usd": {"drafter": "d", "probe_interval": 0}}, r"probe_interval must be >= 1"),
+    ({"usd": {"drafter": "d", "draft_mode": "slem"}}, r"draft_mode = 'slem'; choose one of auto, tli, string"),
+    ({"usd": {"drafter": "d", "string_draft_tokens": 0}}, r"string_draft_tokens must be >= 1"),
 ])
 def test_bad_config_is_one_clear_line(additional, message):
     with pytest.raises(ValueError, match=message) as err:

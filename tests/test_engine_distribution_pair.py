@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engines import engine, proposer_stats, spec_counts, token_ids
-from tests.faults import NoCpuFixProposer, OmitQProposer, ScrambleQProposer
+from tests.faults import NoCpuFixProposer, OmitQProposer, ScrambleQProposer, StringWithQProposer
 from tests.prompts import LOWERCASE
 from tests.stats import homogeneity_pvalue
 
@@ -247,3 +247,32 @@ def test_each_drafter_format_is_lossless(pair, baseline, dtype):
     p = homogeneity_pvalue(baseline["t1"], samples)
     print(f"drafter {dtype}: p = {p:.2e}")
     assert p >= 1e-3, f"USD with a {dtype} drafter changed the output distribution: p = {p:.2e}"
+
+
+# -- usd.draft_mode = "string" on sampled requests --------------------------------------------------
+def test_string_drafts_on_sampled_requests_are_lossless(pair, baseline):
+    """String drafts carry no q, so vLLM verifies them as point masses: greedy equal, and the same
+    sampling-distribution test (N = 20,000 per setting, pass at p >= 1e-3) on both settings."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd={"draft_mode": "string"}) as llm:
+        greedy = _greedy(llm)
+        samples = {s: _samples(llm, s) for s in SETTINGS}
+        counts = spec_counts(llm)
+        stats = proposer_stats(llm)
+    assert greedy == baseline["greedy"]
+    assert stats["counters"]["string_rows"] > 0 and counts["accepted"] > 0, (stats["counters"], counts)
+    for setting, got in samples.items():
+        p = homogeneity_pvalue(baseline[setting], got)
+        print(f"string drafts, {setting}: p = {p:.2e}")
+        assert p >= 1e-3, f"string drafts changed the output distribution ({setting}): p = {p:.2e}"
+
+
+def test_string_planted_bug_is_caught(pair, baseline):
+    """The same test rejects string drafts handed with a q they were not drawn from."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd={"draft_mode": "string"},
+                proposer=StringWithQProposer) as llm:
+        samples = _samples(llm, "t1")
+    p = homogeneity_pvalue(baseline["t1"], samples)
+    print(f"planted bug StringWithQProposer: p = {p:.2e}")
+    assert p < 1e-6, f"planted bug not detected in string mode: p = {p:.2e}"

@@ -12,7 +12,10 @@ every case at once:
   without drafts.
 
 Each case runs on both engines; outputs must be equal token for token, and
-where the USD engine drafted, some drafts must have been accepted. Drafter and
+where the USD engine drafted, some drafts must have been accepted. The ``usd``
+engine runs the default ``draft_mode`` ("auto": string-level drafts for the
+greedy cases, TLI with q for sampled ones); ``usd_adaptive`` runs the same cases
+with TLI for every request and the draft-length policy on. Drafter and
 target swapped is covered in test_engine_distribution_pair and test_real_pair.
 """
 
@@ -266,12 +269,13 @@ def test_no_drafter_state_left_and_no_failed_steps(usd):
     stats = usd["stats"]
     assert stats["request_states"] == 0 and stats["drafter_requests"] == 0, stats
     assert stats["counters"].get("failed_steps", 0) == 0, stats
+    assert stats["counters"].get("string_proposed", 0) > 0, "the greedy cases drafted text (draft_mode auto)"
 
 
 # -- usd.adaptive_length on: the same cases, lengths chosen per request and step ------------------
 # costs under which the lengths vary at these batch sizes (see test_engine_distribution_pair.ADAPTIVE)
 ADAPTIVE = {**USD, "adaptive_length": True, "draft_cost": 0.003, "verify_token_cost": 0.01,
-            "compute_bound_tokens": 1e6}
+            "compute_bound_tokens": 1e6, "draft_mode": "tli"}
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +301,7 @@ def test_adaptive_abort_logprobs_and_state(plain, usd_adaptive):
     assert usd_adaptive["logprobs"]["out"][0][0][:3] == plain["logprobs"]["out"][0][0][:3]
     stats = usd_adaptive["stats"]
     assert stats["request_states"] == 0 and stats["counters"].get("failed_steps", 0) == 0, stats
+    assert stats["counters"].get("string_rows", 0) == 0, "draft_mode tli drafts no text"
     lengths = {key: n for key, n in stats["counters"].items() if key.startswith("length_")}
     # the policy chose every row's length (under these cheap costs the feature cases accept well
     # and mostly get k; lengths that vary are shown in test_engine_distribution_pair)

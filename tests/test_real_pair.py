@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import engine, spec_counts, token_ids
+from tests.engines import engine, proposer_stats, spec_counts, token_ids
 
 pytestmark = pytest.mark.real_pair
 
@@ -113,20 +113,27 @@ REAL_ENGINE = dict(max_model_len=1024, max_num_seqs=32)
 
 @pytest.mark.engine
 def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
+    """Both drafting modes: string-level (the default for greedy requests) and TLI."""
     from vllm import SamplingParams
 
     with engine(real_pair["gemma3"], **REAL_ENGINE) as llm:
         ref = _greedy(llm)
     with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, **REAL_ENGINE) as llm:
+        assert _greedy(llm) == ref
+        string_counts = spec_counts(llm)
+        assert proposer_stats(llm)["counters"]["string_proposed"] > 0
+    with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, usd={"draft_mode": "tli"},
+                **REAL_ENGINE) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         counts = spec_counts(llm)
     got = token_ids(outs)
     assert got == ref
-    print(f"\nGemma-3 <- SmolLM2, k=3: {counts}")
+    print(f"\nGemma-3 <- SmolLM2, k=3: TLI {counts}, string {string_counts}")
     assert counts["accepted"] > 0 and counts["acceptance_length"] > 1.2
+    assert string_counts["accepted"] > 0 and string_counts["acceptance_length"] > 1.2
 
-    # `vllm-usd analyze --models` estimates this offline: teacher-forced on the same texts,
-    # it must land within 25% of what the engine measured.
+    # `vllm-usd analyze --models` estimates TLI's acceptance offline: teacher-forced on the same
+    # texts, it must land within 25% of what the engine measured.
     from transformers import AutoModelForCausalLM
 
     from vllm_usd.analysis.acceptance import estimate_acceptance

@@ -31,7 +31,7 @@ class UsdConfig:
     drafter_max_num_seqs:  requests drafted for at once; defaults to vLLM's max_num_seqs.
     min_intersection:      smallest shared share of the drafter vocabulary accepted.
     seed:                  seed for drafting in requests without their own seed.
-    pruned_head:           compute drafter logits only for shared tokens (same q, less work).
+    pruned_head:           compute drafter logits only for shared tokens (same q, less work); draft_mode "tli" only.
     profile:               time the proposer's phases (see UniversalProposer.timings).
     debug_digests:         record a digest of each step's drafts and q (tensor-parallel checks).
     adaptive_length:       choose each request's draft length 0..k every step (vllm_usd/drafting/length_policy.py);

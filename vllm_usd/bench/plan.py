@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 
-VLLM_SYSTEMS = ("plain", "native", "usd_greedy", "usd_sampled", "usd_adaptive")
+VLLM_SYSTEMS = ("plain", "native", "usd_greedy", "usd_sampled", "usd_string", "usd_adaptive")
 HF_SYSTEMS = ("hf_plain", "hf_assisted")
 ALL_SYSTEMS = VLLM_SYSTEMS + HF_SYSTEMS
 ENGINE_SETTINGS: dict[str, Any] = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
@@ -94,6 +94,7 @@ def count_settings(plan: BenchPlan) -> int:
     temps, batches, ks = len(plan.temperatures), len(plan.batch_sizes), len(plan.ks)
     sampled = len([t for t in plan.temperatures if t > 0])
     per_system = {"plain": temps * batches, "native": ks * temps * batches, "usd_greedy": ks * temps * batches,
-                  "usd_sampled": ks * sampled * batches, "usd_adaptive": ks * temps * batches,
+                  "usd_sampled": ks * sampled * batches, "usd_string": ks * temps * batches,
+                  "usd_adaptive": ks * temps * batches,
                   "hf_plain": temps, "hf_assisted": ks * temps}
     return len(plan.pairs) * sum(per_system[s] for s in set(plan.systems))

@@ -4,11 +4,13 @@ Systems, each on the same prompts with identical engine settings:
 
     plain        the target alone in vLLM (the baseline for every ratio)
     native       vLLM's own ``draft_model`` with ``use_heterogeneous_vocab`` (greedy drafts)
-    usd_greedy   vllm-usd, ``draft_sampling="greedy"``
-    usd_sampled  vllm-usd, ``draft_sampling="auto"``: drafts sampled like the request, q handed over
+    usd_greedy   vllm-usd TLI (``draft_mode="tli"``), ``draft_sampling="greedy"``
+    usd_sampled  vllm-usd TLI, ``draft_sampling="auto"``: drafts sampled like the request, q handed over
                  (at temperature 0 this is the same as usd_greedy and is not run twice)
-    usd_adaptive vllm-usd with ``adaptive_length`` on (the default): k is the cap, each request drafts
-                 0..k per step; the usd_greedy and usd_sampled rows draft a fixed k
+    usd_string   vllm-usd string-level drafting for every request (``draft_mode="string"``; no q)
+    usd_adaptive vllm-usd's defaults: ``adaptive_length`` on (k is the cap, each request drafts 0..k
+                 per step) and ``draft_mode="auto"`` (string drafts for greedy requests, TLI for sampled);
+                 the other usd rows draft a fixed k
     hf_plain     transformers' ``generate`` with the target alone, batch 1
     hf_assisted  transformers' universal assisted generation (``assistant_tokenizer``), batch 1
 
@@ -43,7 +45,7 @@ def vllm_engines(plan: BenchPlan) -> list[tuple[str, int | None]]:
     engines: list[tuple[str, int | None]] = []
     if "plain" in plan.systems:
         engines.append(("plain", None))
-    for system in ("native", "usd_greedy", "usd_sampled", "usd_adaptive"):
+    for system in ("native", "usd_greedy", "usd_sampled", "usd_string", "usd_adaptive"):
         if system in plan.systems:
             engines += [(system, k) for k in plan.ks]
     return engines

@@ -28,7 +28,8 @@ def engine_args(system: str, drafter: str, k: int) -> dict[str, Any]:
         return {"speculative_config": {"method": "draft_model", "model": drafter, "num_speculative_tokens": k,
                                        "use_heterogeneous_vocab": True}}
     sampling = "greedy" if system == "usd_greedy" else "auto"
-    return speculative_args(drafter=drafter, k=k, draft_sampling=sampling, profile=True,
+    mode = {"usd_string": "string", "usd_adaptive": "auto"}.get(system, "tli")  # usd_adaptive: the defaults
+    return speculative_args(drafter=drafter, k=k, draft_sampling=sampling, draft_mode=mode, profile=True,
                             adaptive_length=system == "usd_adaptive")
 
 
