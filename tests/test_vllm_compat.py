@@ -167,3 +167,47 @@ def test_cpu_rejection_sampler_survives_a_step_without_drafts():
     logits = torch.arange(8.0).repeat(2, 1)
     masked = rs.apply_top_k_top_p(logits, torch.tensor([2, 3]), None)
     assert torch.isinf(masked[0]).sum() == 6 and torch.isinf(masked[1]).sum() == 5, "non-empty input as before"
+
+
+def test_recovered_noise_is_drawn_only_for_requests_with_drafts():
+    """cpu_drafted_rows_recovery: requests without drafts draw no noise, and the drafted ones get the
+    recovered tokens vLLM's own function gives them (every request seeded, so both draw alike)."""
+    import dataclasses
+
+    _registered_cpu_kernels()
+    from vllm.v1.sample import rejection_sampler as rs
+
+    original = getattr(rs.sample_recovered_tokens, "__vllm_usd_wrapped__", rs.sample_recovered_tokens)
+    batches: list[int] = []
+
+    def spy(*args, **kwargs):
+        batches.append(len(args[1]))  # requests the noise is drawn for
+        return original(*args, **kwargs)
+
+    wrapped = patches._wrap_sample_recovered_tokens(spy)
+
+    @dataclasses.dataclass
+    class Metadata:  # the one field both read
+        generators: dict
+
+    vocab = 64
+    drafts = [2, 0, 3, 0, 1]  # per request
+    cu = torch.tensor(drafts).cumsum(0).to(torch.int32)
+    n = sum(drafts)
+    torch.manual_seed(0)
+    draft_ids = torch.randint(0, vocab, (n,), dtype=torch.int32)
+    target_probs = torch.rand(n, vocab).softmax(-1)
+    for draft_probs in (torch.rand(n, vocab).softmax(-1), None):
+        def run(fn):
+            gens = {i: torch.Generator().manual_seed(100 + i) for i in range(len(drafts))}
+            return fn(3, drafts, cu, draft_ids, draft_probs, target_probs, Metadata(gens), torch.device("cpu"))
+
+        want, got = run(original), run(wrapped)
+        assert torch.equal(got, want), (got, want)
+    assert batches == [3, 3], "noise for the 3 drafted requests only"
+    # a step without drafts samples nothing
+    none = wrapped(3, [0, 0], torch.zeros(2, dtype=torch.int32), torch.empty(0, dtype=torch.int32), None,
+                   torch.empty(0, vocab), Metadata({}), torch.device("cpu"))
+    assert none.shape == (0,) and batches == [3, 3]
+    assert patches.install_cpu_drafted_rows_recovery() and patches.install_cpu_drafted_rows_recovery()
+    assert rs.sample_recovered_tokens.__vllm_usd_wrapped__ is original

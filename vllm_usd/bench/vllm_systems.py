@@ -105,10 +105,13 @@ def spec_counters(llm: Any) -> dict[str, Any]:
 
 
 def proposer_timings(llm: Any) -> dict[str, float]:
+    """The proposer's phase timings, and its ``emitting_rows`` counter (rows that emitted tokens)."""
     from vllm_usd.vllm_adapter.debug import proposer_stats
 
     stats = llm.collective_rpc(proposer_stats)[0]
-    return dict(stats["timings"]) if stats else {}
+    if not stats:
+        return {}
+    return {**stats["timings"], "emitting_rows": float(stats["counters"].get("emitting_rows", 0))}
 
 
 def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +135,7 @@ def run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, ma
     t_before = proposer_timings(llm) if usd else {}
     runs: list[float] = []
     outputs: list[Any] = []
+    total_tokens = 0
     for _ in range(repeats):
         tokens = 0
         start = time.perf_counter()
@@ -140,6 +144,7 @@ def run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, ma
             outputs += llm.generate(group, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        total_tokens += tokens
         runs.append(tokens / seconds)
     counts = counter_delta(spec_counters(llm), before)
     row: dict[str, Any] = {"tok_s_runs": runs, "tok_s": statistics.median(runs)}
@@ -149,7 +154,13 @@ def run_setting(llm: Any, prompts: list[str], batch: int, temperature: float, ma
     row["draft_tokens_per_step"] = counts["draft_tokens"] / drafts if drafts else None
     if usd:
         t_after = proposer_timings(llm)
-        row["step_split"] = step_split({k: t_after.get(k, 0.0) - t_before.get(k, 0.0) for k in t_after})
+        delta = {k: t_after.get(k, 0.0) - t_before.get(k, 0.0) for k in t_after}
+        row_steps = delta.pop("emitting_rows", 0.0)
+        row["step_split"] = step_split(delta)
+        # tokens per decoding step of each request, drafted or not, as transformers' acceptance counts
+        # them: each request's prefill step (one token, nothing to verify) is left out of both counts
+        requests = len(prompts) * repeats
+        row["tokens_per_step"] = (total_tokens - requests) / (row_steps - requests) if row_steps > requests else None
     row["greedy_outputs"] = [list(o.outputs[0].token_ids) for o in outputs] if temperature == 0 else None
     if want_logprobs:
         row["mean_logprob_per_seq"] = [

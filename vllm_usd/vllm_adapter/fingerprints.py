@@ -33,6 +33,8 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
         "vllm/config/vllm.py", "VllmConfig._get_v2_model_runner_unsupported_features"),
     "expand_batch_to_tokens": ("vllm/v1/sample/rejection_sampler.py", "expand_batch_to_tokens"),
     "apply_sampling_constraints": ("vllm/v1/sample/rejection_sampler.py", "apply_sampling_constraints"),
+    "rejection_sample": ("vllm/v1/sample/rejection_sampler.py", "rejection_sample"),
+    "sample_recovered_tokens": ("vllm/v1/sample/rejection_sampler.py", "sample_recovered_tokens"),
     "EngineArgs.create_engine_config": ("vllm/engine/arg_utils.py", "EngineArgs.create_engine_config"),
 }
 MATCH, CHANGED, MISSING = "match", "changed", "missing"

@@ -35,7 +35,7 @@ class UniversalProposer:
 
     is_vllm_usd_proposer = True
     #: the patches this proposer needs in its worker process (see patches.PATCHES)
-    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix")
+    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "cpu_drafted_rows_recovery")
 
     def __init__(self, vllm_config: Any) -> None:
         patches.apply(self.patches)
@@ -171,6 +171,8 @@ class UniversalProposer:
     ) -> list[list[int]]:
         self._last_q = None
         num_rows = len(sampled_token_ids)
+        # rows whose target step emitted tokens: tokens per row-step = generated tokens / this count
+        self.counters["emitting_rows"] += sum(1 for s in sampled_token_ids if s)
         started = time.perf_counter()
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
