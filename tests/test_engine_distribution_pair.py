@@ -53,6 +53,17 @@ def _samples(llm, setting: str, n: int = N_SAMPLES) -> list[tuple[int, ...]]:
     return [tuple(ids) for ids in token_ids(llm.generate([PROMPT] * n, sp, use_tqdm=False))]
 
 
+def _samples_beside_greedy(llm, setting: str, n: int = N_SAMPLES) -> list[tuple[int, ...]]:
+    """The sampled requests of batches that are half greedy: in draft_mode auto, the greedy rows draft
+    text (no q) and the sampled rows TLI with q, in the same steps and the same q buffer."""
+    from vllm import SamplingParams
+
+    sampled = SamplingParams(max_tokens=2, **SETTINGS[setting])
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    outs = llm.generate([PROMPT] * (2 * n), [greedy if i % 2 else sampled for i in range(2 * n)], use_tqdm=False)
+    return [tuple(ids) for ids in token_ids(outs[0::2])]
+
+
 def _mixed(llm):
     from vllm import SamplingParams
 
@@ -88,6 +99,7 @@ def usd_k3(pair):
         out["t1"] = _samples(llm, "t1")
         out["t1_counts"] = _delta(spec_counts(llm), before)
         out["t07p09"] = _samples(llm, "t07p09")
+        out["t1_beside_greedy"] = _samples_beside_greedy(llm, "t1")
         out["stats_busy"] = proposer_stats(llm)
         # a one-token request makes vLLM run a step, which reports the finished ones
         llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -132,6 +144,15 @@ def test_sampling_distribution_unchanged(baseline, usd_k3, setting):
     p = homogeneity_pvalue(baseline[setting], usd_k3[setting])
     assert p >= 1e-3, f"USD changed the output distribution ({setting}): p = {p:.2e}"
     assert usd_k3["t1_counts"]["accepted"] > 0
+
+
+def test_sampling_distribution_unchanged_beside_greedy_string_rows(baseline, usd_k3):
+    """Same test (N = 20,000 sampled requests, pass at p >= 1e-3), each batch half greedy requests that
+    draft text: their rows' stale q and missing drafts must not reach the sampled rows."""
+    p = homogeneity_pvalue(baseline["t1"], usd_k3["t1_beside_greedy"])
+    print(f"t1 beside greedy string rows: p = {p:.2e}")
+    assert p >= 1e-3, f"mixed string/TLI batches changed the output distribution: p = {p:.2e}"
+    assert usd_k3["stats_busy"]["counters"]["string_rows"] > 0
 
 
 def test_drafter_state_is_freed_with_the_requests(usd_k3):

@@ -221,14 +221,57 @@ def test_tli_mode_drafts_no_text():
     assert p.counters["string_rows"] == 0 and all(len(d) == 3 for d in drafts.values())
 
 
-def test_ranks_draft_identical_text_and_q():
+def _two_ranks(cls) -> list[list[str]]:
+    """Two proposers fed the same steps, as two tensor-parallel ranks are (auto mode: text and TLI rows)."""
     digests = []
     for rank in (0, 1):
-        p = _proposer(debug_digests=True)
+        target, drafter = _pair()
+        p = cls(vllm_config(target, {"drafter": drafter, "adaptive_length": False, "debug_digests": True}, k=3))
         p.rank = rank
         runner = _runner()
         drafts = runner.step(p, {})
         for _ in range(3):
             drafts = runner.step(p, {r: d[:1] or [5] for r, d in drafts.items()})
+        assert p.counters["string_rows"] == 8, "both greedy rows drafted text at every step"
         digests.append(p.digests)
-    assert len(digests[0]) == 4 and digests[0] == digests[1]
+    return digests
+
+
+def test_ranks_draft_identical_text_and_q():
+    rank0, rank1 = _two_ranks(UniversalProposer)
+    assert len(rank0) == 4 and rank0 == rank1
+
+
+def test_digests_of_mixed_steps_catch_rank_local_randomness():
+    """Planted bug (tests.faults.RankRngProposer): the one digest per step covers the TLI rows too."""
+    from tests.faults import RankRngProposer
+
+    rank0, rank1 = _two_ranks(RankRngProposer)
+    assert len(rank0) == 4 and rank0 != rank1
+
+
+def test_a_row_that_proposes_nothing_counts_as_a_rejected_draft():
+    """The policy must learn that string drafting does not pay for a request that never proposes."""
+    p = _proposer(adaptive_length=True, draft_cost=0.001, compute_bound_tokens=100.0)
+    p.strings.draft = lambda rows, lengths: [[] for _ in lengths]
+    runner = FakeRunner()
+    runner.add("g1", _prompt(" the keeper"), sampling(0.0))
+    runner.add("g2", _prompt(" it was"), sampling(0.0))
+    drafts = runner.step(p, {})
+    assert drafts == {"g1": [], "g2": []}
+    before = p.policy.acceptance("g1")[0]
+    runner.step(p, {r: [5] for r in drafts})  # the step emitted one token each: nothing was accepted
+    assert p.policy.acceptance("g1")[0] < before
+
+
+def test_string_rows_leave_room_for_their_budget_in_the_drafters_context():
+    """A request whose context has room for k drafts but not for the string budget gets no drafts,
+    instead of failing the batched forward for every request."""
+    probe = _proposer(draft_mode="string")
+    runner = _runner()
+    runner.step(probe, {})
+    n = len(probe.requests.get("g1").translator.draft_ids)
+    p = _proposer(draft_mode="string", drafter_max_model_len=n + 4)  # k = 3 fits, the budget 2k+1 = 7 does not
+    drafts = _runner().step(p, {})
+    assert p.counters.get("failed_steps", 0) == 0, dict(p.counters)
+    assert drafts["g1"] == [] and p.counters["skipped_context_full"] >= 1

@@ -16,6 +16,7 @@ from typing import MutableMapping
 
 from vllm_usd.core.mapping import VocabMapping
 from vllm_usd.core.retokenize import TargetRetokenizer
+from vllm_usd.core.translate import complete_utf8_prefix
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafting.requests import DraftRows
 from vllm_usd.drafting.timing import PhaseTimer
@@ -102,7 +103,7 @@ class StringDrafting:
             self.counters["string_rewrites"] += 1
             row.proposed = []
             return False
-        if final:
+        if final and complete_utf8_prefix(new) == len(new):
             special = self._draft_to_target[token] if 0 <= token < len(self._draft_to_target) else -1
             if special >= 0:  # a special both tokenizers give the same role (end of text, say)
                 ids = ids + [special]

@@ -66,14 +66,16 @@ class UniversalProposer:
         )
         self.mapping = self.pair.mapping
         self.timer = PhaseTimer(self.config.profile)
-        self.requests = RequestTable(self.pair, self.runtime, k=self.k,
-                                     always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed)
         drafts_text = cfg.draft_mode != "tli"  # string drafting reads the drafter's whole head
+        string_budget = cfg.string_draft_tokens or default_budget(self.k)
+        # room a step may need past a request's drafter context: k drafts, or the string budget
+        self.requests = RequestTable(self.pair, self.runtime, k=max(self.k, string_budget) if drafts_text else self.k,
+                                     always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed)
         self.strategy = IntersectionDrafting(self.mapping, self.runtime, k=self.k,
                                              pruned_head=cfg.pruned_head and not drafts_text, timer=self.timer)
         self.strings = StringDrafting(
             self.mapping, TargetRetokenizer(target_tokenizer, self.mapping.target_table), self.runtime,
-            budget=cfg.string_draft_tokens or default_budget(self.k), timer=self.timer,
+            budget=string_budget, timer=self.timer,
             counters=self.requests.counters,
         ) if drafts_text else None
         self.policy = self._length_policy(target_bytes=0)
@@ -266,7 +268,9 @@ class UniversalProposer:
                 if qs is not None:
                     self._last_q = self._q_buffer.fill(parts[-1][0].rows, qs, len(drafts))
         for part_rows, target in parts:
-            self.policy.drafted(part_rows.req_ids, [len(ids) for ids in target])
+            # a string row that proposed nothing (TLI rows never do) counts to the policy as one rejected
+            # draft: it cost drafter forwards, and the policy must see that drafting does not pay for it
+            self.policy.drafted(part_rows.req_ids, [max(len(ids), 1) for ids in target])
         if self.config.debug_digests:
             self._digests.record([r for p, _ in parts for r in p.rows], [r for p, _ in parts for r in p.req_ids],
                                  [ids for _, t in parts for ids in t], qs)
