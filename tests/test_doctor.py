@@ -12,7 +12,7 @@ import pytest
 from tests import vllm_sources
 from vllm_usd.vllm_adapter import fingerprints
 
-PATCH_NAMES = {"runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "frontend_check"}
+PATCH_NAMES = {"runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "cpu_drafted_rows_recovery", "frontend_check"}
 # runs the CLI in a fresh interpreter, then says whether that interpreter ever imported vLLM
 NO_IMPORT = ("import sys; from vllm_usd.cli import main; rc = main(sys.argv[1:]); "
              "print('IMPORTED_VLLM=' + str('vllm' in sys.modules), file=sys.stderr); sys.exit(rc)")
@@ -108,4 +108,4 @@ def test_vllm_033_from_the_cached_release(vllm_033):
     table = fingerprints.known()
     changed = {k for k in fingerprints.FUNCTIONS if table["0.32.0"][k] != table["0.33.0"][k]}
     assert changed == {"GPUModelRunner.propose_draft_token_ids", "EngineArgs.create_engine_config",
-                       "VllmConfig._get_v2_model_runner_unsupported_features"}
+                       "VllmConfig._get_v2_model_runner_unsupported_features", "rejection_sample"}
