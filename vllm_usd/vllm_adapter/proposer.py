@@ -266,7 +266,8 @@ class UniversalProposer:
             if batch is not None:
                 qs = self._q_for_sampler(batch)
                 if qs is not None:
-                    self._last_q = self._q_buffer.fill(parts[-1][0].rows, qs, len(drafts))
+                    tli_rows = parts[-1][0]  # _draft puts the TLI rows last
+                    self._last_q = self._q_buffer.fill(tli_rows.rows, qs, len(drafts))
         for part_rows, target in parts:
             # a string row that proposed nothing (TLI rows never do) counts to the policy as one rejected
             # draft: it cost drafter forwards, and the policy must see that drafting does not pay for it
