@@ -121,7 +121,10 @@ async def _one_request(client, base: str, model: str, body: dict[str, Any], abor
                     return "aborted", None  # leaving the block closes the stream: the server aborts
     except Exception as exc:  # noqa: BLE001 - a transport error is a finding, not a crash
         stats["transport_errors"] += 1
-        stats["errors"].append(f"{type(exc).__name__}: {exc}")
+        cause = exc.__cause__ or exc.__context__
+        stats["errors"].append(f"{type(exc).__name__}: {exc!r} (cause {cause!r}) after {chunks} chunks, "
+                               f"{'greedy' if body.get('temperature') == 0.0 else 'sampled'}, "
+                               f"max_tokens {body.get('max_tokens')}")
         return "transport_error", None
     return "done", ids
 
@@ -144,7 +147,12 @@ async def drive(base: str, model: str, reqs: list[dict[str, Any]], reference: li
             await asyncio.sleep(2.0)
 
     async def worker(w: int) -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        # One connection per request. A CI run (2 min, ~110 requests) saw one empty
+        # httpx.ReadError while /health, every other stream and the engine were fine; the usual
+        # cause of that is a kept-alive connection closed by the server as the client reuses it.
+        # Fresh connections take that out, and the error now says how far its stream got.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
             while time.monotonic() < deadline:
                 abort_after = rng.randint(1, 6) if rng.random() < abort_rate else None
                 if rng.random() < 0.5:

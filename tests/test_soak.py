@@ -29,8 +29,11 @@ def test_served_soak_two_minutes(real_pair, tmp_path):
     assert report.get("failure") is None, report["failure"]
     failed = [name for name, ok in report["checks"].items() if not ok]
     stats = report["stats"]
+    server_log = out.with_suffix(".server.log")
+    log_tail = server_log.read_text()[-4000:] if server_log.exists() else "(no server log)"
     assert not failed, {"failed": failed, "errors": stats["errors"], "mismatches": stats["mismatches"],
-                        "proposer": report["proposer"], "memory": report["memory_verdict"]}
+                        "proposer": report["proposer"], "memory": report["memory_verdict"],
+                        "server_log_tail": log_tail}
     assert stats["served"] > 0 and stats["greedy_checked"] > 0 and stats["sampled"] > 0
     assert report["acceptance_length"] and report["acceptance_length"] > 1.0
     assert res.returncode == 0
