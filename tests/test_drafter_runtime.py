@@ -131,3 +131,88 @@ def test_load_errors_are_clear(tmp_path):
     folder = _save(ref)  # weights and config, but no tokenizer
     with pytest.raises(DrafterLoadError, match="no readable tokenizer"):
         load_drafter(folder)
+
+
+class _HostCopies:
+    """Counts device-to-host reads of tensors (``tolist`` and ``item``) while installed."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        for name in ("tolist", "item"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_forward_next_reads_ids_in_place_and_settles_them_in_one_copy(monkeypatch):
+    ref = _llama()
+    folder = _save(ref)
+    host, device = _runtime(ref, folder), _runtime(ref, folder)
+    prompts = {"a": list(range(20, 31)), "b": list(range(100, 105)), "c": list(range(7, 25))}
+    for rt in (host, device):
+        for r, p in prompts.items():
+            rt.add(r)
+        rt.forward(list(prompts), [0] * 3, list(prompts.values()))
+    steps = [[11, 12, 13], [14, 15], [16]]  # drafts at three positions; later positions fewer rows
+    context = [len(p) for p in prompts.values()]
+    copies = _HostCopies(monkeypatch)
+    for ids in steps:
+        rows = list(prompts)[: len(ids)]
+        want = host.forward(rows, context[: len(ids)], [[t] for t in ids])
+        before = copies.count
+        got = device.forward_next(rows, context[: len(ids)], torch.tensor(ids))
+        assert copies.count == before, "forward_next copied to the host"
+        assert torch.allclose(got, want, atol=1e-5)
+        context = [n + 1 for n in context[: len(ids)]]
+    before = copies.count
+    cached = {r: list(device.cached_tokens(r)) for r in prompts}
+    assert copies.count == before + 1  # every position's ids, in one copy
+    assert cached == {r: host.cached_tokens(r) for r in prompts}
+    assert cached["a"] == prompts["a"] + [11, 14, 16] and cached["c"] == prompts["c"] + [13]
+    # a rollback after unsettled ids keeps only what it should
+    out = device.forward(["a"], [len(prompts["a"]) + 1], [[99]])
+    assert torch.allclose(out[0], _reference_logits(ref, prompts["a"] + [11, 99])[-1], atol=1e-4)
+    assert device.cached_tokens("a") == prompts["a"] + [11, 99]
+
+
+def test_intersection_drafting_copies_nothing_to_the_host_between_positions(monkeypatch):
+    """TLI's draft loop hands each position's ids to the runtime in place (one host copy per step is the
+    proposer's, of the final target ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures import tiny
+    from vllm_usd.core.pair import DraftPair
+    from vllm_usd.drafter.attention import ATTN_NAME, register_attention
+    from vllm_usd.drafting import DraftRows, PhaseTimer
+    from vllm_usd.drafting.requests import RequestState
+    from vllm_usd.drafting.tli import IntersectionDrafting
+
+    target_dir, drafter_dir = tiny.build_distribution_pair()
+    pair = DraftPair.build(AutoTokenizer.from_pretrained(target_dir), AutoTokenizer.from_pretrained(drafter_dir))
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(drafter_dir, attn_implementation=ATTN_NAME).eval()
+    rt = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26)
+    strategy = IntersectionDrafting(pair.mapping, rt, k=3, pruned_head=True, timer=PhaseTimer(False))
+    rows = DraftRows()
+    for i, (greedy, temperature) in enumerate([(True, 0.0), (False, 0.8), (False, 1.0)]):
+        tr = pair.translator()
+        tr.start(list(range(5 + i, 20 + 2 * i)))
+        rt.add(f"r{i}")
+        rows.rows.append(i)
+        rows.req_ids.append(f"r{i}")
+        rows.states.append(RequestState(translator=tr, greedy=greedy, temperature=temperature, top_k=0, top_p=1.0,
+                                        key=1000 + i, seeded=False, last_token=1 << 30))
+        rows.sequences.append(list(tr.draft_ids))
+        rows.unchanged.append(0)
+        rows.positions.append(len(tr.draft_ids))
+        rows.target_tails.append([])
+    strategy.draft(rows, salt=0, lengths=[3, 3, 3])  # warm: the first step settles nothing
+    copies = _HostCopies(monkeypatch)
+    batch = strategy.draft(rows, salt=0, lengths=[3, 2, 1])
+    assert copies.count == 1  # catch_up reads the cached ids once: the last step's drafts, in one copy
+    assert batch.target_ids.shape == (3, 3) and len(batch.q) == 3
+    assert [q.shape[0] for q in batch.q] == [3, 2, 1]

@@ -86,6 +86,20 @@ class DrafterRuntime(ABC):
         one. Returns [len(req_ids), num_outputs] float32.
         """
 
+    def forward_next(
+        self,
+        req_ids: Sequence[str],
+        keep: Sequence[int],
+        tokens: torch.Tensor,  # [len(req_ids)] one new drafter id per request, on ``self.device``
+    ) -> torch.Tensor:
+        """``forward`` with one new token per request, handed over where it was sampled.
+
+        A runtime on an accelerator reads ``tokens`` in place, so a draft loop makes no host copy
+        per position; ``cached_tokens`` learns those ids later, in one copy. This default copies
+        them to the host first (right for a runtime that runs on the host anyway).
+        """
+        return self.forward(req_ids, keep, [[t] for t in tokens.tolist()])
+
     def catch_up(
         self,
         req_ids: Sequence[str],

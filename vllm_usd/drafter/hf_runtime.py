@@ -80,6 +80,8 @@ class HFDrafterRuntime(DrafterRuntime):
         self._slot_of: dict[str, int] = {}
         self._req_at: list[str] = []  # slot -> req_id, slots 0..n-1 in use
         self._tokens: dict[str, list[int]] = {}
+        # ids appended by forward_next and not yet copied to the host: (ids [B] on device, [(req_id, index)])
+        self._unsettled: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
 
     # -- capacity -----------------------------------------------------------------
     @property
@@ -138,6 +140,26 @@ class HFDrafterRuntime(DrafterRuntime):
         self._req_at.append(req_id)
         return True
 
+    def cached_tokens(self, req_id: str) -> list[int]:
+        self._settle()
+        return self._tokens[req_id]
+
+    def free(self, req_id: str) -> None:
+        self._settle()
+        super().free(req_id)
+
+    def _settle(self) -> None:
+        """Copy the ids forward_next appended to the host: one copy for every call since the last."""
+        if not self._unsettled:
+            return
+        flat = torch.cat([ids for ids, _ in self._unsettled]).tolist()
+        places = [place for _, where in self._unsettled for place in where]
+        self._unsettled = []
+        for (req_id, index), tid in zip(places, flat):  # in call order: a later write to a place wins
+            toks = self._tokens.get(req_id)
+            if toks is not None and index < len(toks):
+                toks[index] = tid
+
     def _release(self, req_id: str) -> None:
         slot = self._slot_of.pop(req_id)
         last = len(self._req_at) - 1
@@ -152,38 +174,41 @@ class HFDrafterRuntime(DrafterRuntime):
 
     # -- forward ---------------------------------------------------------------------
     @torch.inference_mode()
+    def forward_next(self, req_ids: Sequence[str], keep: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One token per request from a device tensor: no host copy (``_settle`` makes one later)."""
+        return self._run(req_ids, keep, [1] * len(req_ids), device_tokens=tokens)
+
+    @torch.inference_mode()
     def forward(self, req_ids: Sequence[str], keep: Sequence[int],
                 new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        self._settle()
         out = torch.empty(len(req_ids), self.num_outputs, dtype=torch.float32, device=self.device)
         long_rows = [i for i, t in enumerate(new_tokens) if len(t) > PREFILL_SPLIT]
         short_rows = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_SPLIT]
         for i in long_rows:
-            out[i] = self._run([req_ids[i]], [keep[i]], [new_tokens[i]])[0]
+            out[i] = self._run([req_ids[i]], [keep[i]], [len(new_tokens[i])], host_tokens=[new_tokens[i]])[0]
         if short_rows:
             if len(short_rows) == len(req_ids):
-                out[:] = self._run(req_ids, keep, new_tokens)
+                out[:] = self._run(req_ids, keep, [len(t) for t in new_tokens], host_tokens=new_tokens)
             else:
                 out[torch.tensor(short_rows, device=self.device)] = self._run(
                     [req_ids[i] for i in short_rows], [keep[i] for i in short_rows],
-                    [new_tokens[i] for i in short_rows])
+                    [len(new_tokens[i]) for i in short_rows], host_tokens=[new_tokens[i] for i in short_rows])
         return out
 
-    def _run(self, req_ids: Sequence[str], keep: Sequence[int],
-             new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _run(self, req_ids: Sequence[str], keep: Sequence[int], num_new: Sequence[int], *,
+             host_tokens: Sequence[Sequence[int]] | None = None,
+             device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One batched forward; the new ids are ``host_tokens`` (lists) or ``device_tokens`` ([B], one each)."""
         slots = [self._slot_of[r] for r in req_ids]
         lo, hi = min(slots), max(slots) + 1
         rows_n = hi - lo
-        t_max = max(len(t) for t in new_tokens)
+        t_max = max(num_new)
         # Rows of the slot range that are not in this call keep their length and
         # compute one throw-away query at their next free position.
         starts = [len(self._tokens[self._req_at[s]]) for s in range(lo, hi)]
-        n_new = [0] * rows_n
-        tokens = torch.zeros(rows_n, t_max, dtype=torch.long)
-        for r, s, k, new in zip(req_ids, slots, keep, new_tokens):
-            row = s - lo
-            starts[row] = k
-            n_new[row] = len(new)
-            tokens[row, : len(new)] = torch.tensor(new, dtype=torch.long)
+        for s, k in zip(slots, keep):
+            starts[s - lo] = k
         if max(st + t_max for st in starts) > self.max_len:
             raise ValueError("drafter context full")
         if not self._grow(self._slot_cap, max(st + t_max for st in starts)):
@@ -191,7 +216,15 @@ class HFDrafterRuntime(DrafterRuntime):
 
         dev = self.device
         key_len = max(starts) + t_max
-        tokens = tokens.to(dev, non_blocking=True)
+        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
+        if device_tokens is None:
+            tokens = torch.zeros(rows_n, t_max, dtype=torch.long)
+            for s, new in zip(slots, host_tokens):
+                tokens[s - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
+            tokens = tokens.to(dev, non_blocking=True)
+        else:  # [B] on the device, one per request: scattered into its row, not read on the host here
+            tokens = torch.zeros(rows_n, 1, dtype=torch.long, device=dev)
+            tokens[sel_rows, 0] = device_tokens.to(dev)
         pos = torch.tensor(starts, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t_max, device=dev)  # [R, T]
         kpos = torch.arange(key_len, device=dev)
         allowed = kpos.view(1, 1, 1, -1) <= pos.view(rows_n, 1, t_max, 1)  # causal within each row
@@ -206,15 +239,23 @@ class HFDrafterRuntime(DrafterRuntime):
                 past_key_values=cache, use_cache=True,
             ).last_hidden_state  # [R, T, hidden]
         # the last new token of each requested row
-        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
-        sel_cols = torch.tensor([len(t) - 1 for t in new_tokens], dtype=torch.long, device=dev)
+        sel_cols = torch.tensor([n - 1 for n in num_new], dtype=torch.long, device=dev)
         last = hidden[sel_rows, sel_cols].to(self._head_dtype)  # [B, hidden]
         logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()  # [B, num_outputs]
         if self._final_softcap:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
 
-        for r, k, new in zip(req_ids, keep, new_tokens):
-            toks = self._tokens[r]
-            del toks[k:]
-            toks.extend(new)
+        if device_tokens is None:
+            for r, k, new in zip(req_ids, keep, host_tokens):
+                toks = self._tokens[r]
+                del toks[k:]
+                toks.extend(new)
+        else:  # placeholders until _settle copies the ids over
+            where = []
+            for r, k in zip(req_ids, keep):
+                toks = self._tokens[r]
+                del toks[k:]
+                where.append((r, len(toks)))
+                toks.append(-1)
+            self._unsettled.append((device_tokens.reshape(-1), where))
         return logits

@@ -90,10 +90,9 @@ class IntersectionDrafting:
             qs.append(q)
             if j + 1 < depth:
                 go_on = sum(1 for n in lengths[:active] if n > j + 1)
-                next_tokens = self._draft_ids[idx[:go_on]].tolist()  # TODO(GPU): a host sync per position
+                next_tokens = self._draft_ids[idx[:go_on]]  # [go_on] drafter ids, left on the device
                 with timer.phase("drafter_forward"):
-                    logits = self.runtime.forward(rows.req_ids[:go_on], context[:go_on],
-                                                  [[t] for t in next_tokens])
+                    logits = self.runtime.forward_next(rows.req_ids[:go_on], context[:go_on], next_tokens)
                 context = [n + 1 for n in context[:go_on]]
                 active = go_on
         return DraftBatch(target_ids=self._target_ids[index], q=None if params.all_greedy else qs)
