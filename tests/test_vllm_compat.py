@@ -211,3 +211,83 @@ def test_recovered_noise_is_drawn_only_for_requests_with_drafts():
     assert none.shape == (0,) and batches == [3, 3]
     assert patches.install_cpu_drafted_rows_recovery() and patches.install_cpu_drafted_rows_recovery()
     assert rs.sample_recovered_tokens.__vllm_usd_wrapped__ is original
+
+
+def _sampling_metadata(batch: int, vocab: int, greedy_rows: set[int]):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    temperature = torch.tensor([0.0 if i in greedy_rows else 0.8 for i in range(batch)])
+    return SamplingMetadata(
+        temperature=temperature, all_greedy=len(greedy_rows) == batch, all_random=not greedy_rows,
+        top_p=None, top_k=None,
+        generators={i: torch.Generator().manual_seed(7 + i) for i in range(batch) if i not in greedy_rows},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def test_a_step_without_drafts_samples_as_vllm_does_without_speculation():
+    """no_draft_plain_sampling: a step in which no request has a draft goes to vLLM's plain sampler and
+    samples what the rejection sampler samples there (the sampled rows seeded, so both draw alike); a
+    step with a draft keeps the rejection sampler; so does a runner whose drafter is not vllm-usd's."""
+    import types
+
+    _registered_cpu_kernels()
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = getattr(GPUModelRunner._sample, "__vllm_usd_wrapped__", GPUModelRunner._sample)
+    calls: list[str] = []
+
+    class SpySampler(Sampler):
+        def forward(self, *args, **kwargs):
+            calls.append("plain" if not kwargs.get("predict_bonus_token") else "bonus")
+            return super().forward(*args, **kwargs)
+
+    def runner(batch: int, ours: bool):
+        sampler = SpySampler()
+        return types.SimpleNamespace(
+            sampler=sampler, rejection_sampler=RejectionSampler(sampler), use_async_scheduling=False,
+            input_batch=types.SimpleNamespace(sampling_metadata=_sampling_metadata(batch, 50, {0, 2}),
+                                              update_async_output_token_ids=lambda: None),
+            drafter=types.SimpleNamespace(is_vllm_usd_proposer=ours),
+            _get_spec_decode_draft_probs=lambda metadata: None)
+
+    def no_drafts(batch: int) -> SpecDecodeMetadata:
+        return SpecDecodeMetadata(
+            draft_token_ids=torch.empty(0, dtype=torch.int32), num_draft_tokens=[0] * batch,
+            cu_num_draft_tokens=torch.zeros(batch, dtype=torch.int32),
+            cu_num_sampled_tokens=torch.arange(1, batch + 1, dtype=torch.int32),
+            target_logits_indices=torch.empty(0, dtype=torch.long),
+            bonus_logits_indices=torch.arange(batch), logits_indices=torch.arange(batch))
+
+    wrapped = patches._wrap_sample(original)
+    torch.manual_seed(0)
+    batch, vocab = 5, 50
+    logits = torch.randn(batch, vocab) * 3
+    want = original(runner(batch, True), logits.clone(), no_drafts(batch)).sampled_token_ids
+    assert calls == ["bonus"]
+    calls.clear()
+    got = wrapped(runner(batch, True), logits.clone(), no_drafts(batch)).sampled_token_ids
+    assert calls == ["plain"], "the step without drafts went to the rejection sampler"
+    assert got.shape == want.shape == (batch, 1) and torch.equal(got.long(), want.long()), (got, want)
+    assert got[0, 0] == logits[0].argmax() and got[2, 0] == logits[2].argmax()
+    calls.clear()
+    wrapped(runner(batch, False), logits.clone(), no_drafts(batch))
+    assert calls == ["bonus"], "a runner with another drafter keeps vLLM's path"
+    # one request with a draft: the rejection sampler
+    drafted = SpecDecodeMetadata(
+        draft_token_ids=torch.tensor([3], dtype=torch.int32), num_draft_tokens=[1] + [0] * (batch - 1),
+        cu_num_draft_tokens=torch.ones(batch, dtype=torch.int32),
+        cu_num_sampled_tokens=torch.arange(2, batch + 2, dtype=torch.int32),
+        target_logits_indices=torch.tensor([0]), bonus_logits_indices=torch.arange(1, batch + 1),
+        logits_indices=torch.arange(batch + 1))
+    calls.clear()
+    out = wrapped(runner(batch, True), torch.randn(batch + 1, vocab), drafted)
+    assert calls == ["bonus"] and out.sampled_token_ids.shape == (batch, 2)
+    assert patches.install_no_draft_plain_sampling() and patches.install_no_draft_plain_sampling()
+    assert GPUModelRunner._sample.__vllm_usd_wrapped__ is original

@@ -28,6 +28,7 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
         "vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner.propose_draft_token_ids"),
     "GPUModelRunner._get_spec_decode_draft_probs": (
         "vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._get_spec_decode_draft_probs"),
+    "GPUModelRunner._sample": ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner._sample"),
     "create_custom_proposer": ("vllm/v1/spec_decode/custom_class_proposer.py", "create_custom_proposer"),
     "VllmConfig._get_v2_model_runner_unsupported_features": (
         "vllm/config/vllm.py", "VllmConfig._get_v2_model_runner_unsupported_features"),

@@ -28,6 +28,15 @@ fingerprint of a vLLM release vllm-usd was checked against; otherwise
   vocabulary that is 40 ms of a batch-8 step. The wrapper runs it on the
   requests that have drafts only, each with its own generator: the same
   distribution of recovered tokens, and nothing at all in a step without drafts.
+- ``no_draft_plain_sampling``: with a speculative config, vLLM samples every
+  step through the rejection sampler, also a step in which no request got a
+  draft (which the draft-length policy often chooses at batch 8 and more). On
+  the CPU that costs about 40 ms of a batch-32 step with Gemma-3's 262k
+  vocabulary: the rejection sampler copies the bonus logits, and its bonus
+  sampler clones them again for logprobs it does not return. The wrapper of
+  ``GPUModelRunner._sample`` hands such a step to vLLM's plain sampler, the path
+  vLLM takes without speculation: the same tokens, from the same generators.
+  Only for a vllm-usd proposer.
 - ``frontend_check``: wraps ``EngineArgs.create_engine_config`` so that, in the
   user's own process and before any engine process starts, a vllm-usd
   ``speculative_config`` is checked (``frontend.check_engine_config``).
@@ -197,6 +206,24 @@ def install_cpu_drafted_rows_recovery() -> bool:
     return _install_function_wrapper(rs, "sample_recovered_tokens", _wrap_sample_recovered_tokens)
 
 
+# --- no_draft_plain_sampling ---------------------------------------------------------------------
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+                and getattr(getattr(self, "drafter", None), "is_vllm_usd_proposer", False)):
+            spec_decode_metadata = None  # no request has a draft: sample as vLLM does without speculation
+        return original(self, logits, spec_decode_metadata, *args, **kwargs)
+
+    return _sample
+
+
+def install_no_draft_plain_sampling() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return _install_wrapper(GPUModelRunner, "_sample", _wrap_sample)
+
+
 # --- frontend_check ---------------------------------------------------------------------------
 def _wrap_create_engine_config(original):
     @functools.wraps(original)
@@ -243,6 +270,9 @@ PATCHES: dict[str, Patch] = {
     "cpu_empty_topk_fix": Patch(install_cpu_empty_topk_fix, ("apply_sampling_constraints",), applies=_on_cpu),
     "cpu_drafted_rows_recovery": Patch(install_cpu_drafted_rows_recovery,
                                        ("rejection_sample", "sample_recovered_tokens"), applies=_on_cpu),
+    # a step whose SpecDecodeMetadata has max_spec_len 0 samples one token per request, as without it; the
+    # bookkeeping after _sample reads a [B, 1] output the same either way
+    "no_draft_plain_sampling": Patch(install_no_draft_plain_sampling, ("GPUModelRunner._sample",)),
     "frontend_check": Patch(install_frontend_check, ("EngineArgs.create_engine_config",)),
 }
 

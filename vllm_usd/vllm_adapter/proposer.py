@@ -35,7 +35,8 @@ class UniversalProposer:
 
     is_vllm_usd_proposer = True
     #: the patches this proposer needs in its worker process (see patches.PATCHES)
-    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "cpu_drafted_rows_recovery")
+    patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "cpu_drafted_rows_recovery",
+                                "no_draft_plain_sampling")
 
     def __init__(self, vllm_config: Any) -> None:
         patches.apply(self.patches)

@@ -1,0 +1,104 @@
+"""The target alone and vllm-usd's defaults side by side, interleaved, on one pair.
+
+Both engines are up at once. Every round times each (temperature, batch) setting on one
+engine, then at once on the other (the order alternates by round), so both see the machine
+in the same state: on this VM a lone engine's speed drifts by 10-15% within minutes, which
+a plan that times one engine after the other reads as a speed-up or a slow-down.
+The ratio of a setting is the median over rounds of the paired ratios.
+
+    .venv/bin/python benchmarks/interleaved_check.py --pair gemma3-smollm2 --rounds 5 \\
+        --out benchmarks/results/<date>-vm-interleaved.json
+
+Each run: ``--groups`` batches of ``batch`` prompts at once (batch 1: four prompts one after
+another), ``--max-tokens``
+tokens each with EOS masked; engines in-process as ``benchmarks/run.py`` runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _timed(llm, prompts: list[str], batch: int, temperature: float, max_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    start, tokens = time.perf_counter(), 0
+    for group in groups:
+        tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False))
+    return tokens / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.run import pair_specs
+    from vllm_usd.bench import load_prompts
+    from vllm_usd.bench.vllm_systems import engine
+    from vllm_usd.vllm_adapter.debug import proposer_stats
+    from vllm_usd.config import speculative_args
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", default="gemma3-smollm2")
+    parser.add_argument("-k", type=int, default=3, help="num_speculative_tokens (the policy's cap)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--groups", type=int, default=2, help="batches of prompts per timed run (batch > 1)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--usd", default="{}", help="extra usd settings, JSON (default: vllm-usd's defaults)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    spec = pair_specs([args.pair])[0]
+    prompts = [p["text"] for p in load_prompts()[0]]
+    settings = [(t, b) for t in args.temperatures for b in args.batch_sizes]
+    extra = speculative_args(drafter=spec.drafter, k=args.k, profile=True, **json.loads(args.usd))
+    max_batch = max(args.batch_sizes)
+    runs: dict[str, list[dict]] = {"plain": [], "usd": []}
+    with contextlib.ExitStack() as stack:
+        engines = {"plain": stack.enter_context(engine(spec.target, max_batch, {})),
+                   "usd": stack.enter_context(engine(spec.target, max_batch, extra))}
+        for name, llm in engines.items():  # warm-up
+            _timed(llm, prompts[:2], 2, 0.0, 8)
+        for r in range(args.rounds):
+            for temperature, batch in settings:
+                group = prompts[:4] if batch == 1 else prompts[:batch * args.groups]
+                order = ("plain", "usd") if r % 2 == 0 else ("usd", "plain")
+                for name in order:
+                    tok_s = _timed(engines[name], group, batch, temperature, args.max_tokens)
+                    runs[name].append({"round": r, "temperature": temperature, "batch": batch, "tok_s": tok_s})
+                    print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
+        stats = engines["usd"].collective_rpc(proposer_stats)[0] or {}
+        counters = stats.get("counters", {})  # rows per chosen length (length_0 ...), probes, string rows
+    rows = []
+    for temperature, batch in settings:
+        def of(name):
+            return [x["tok_s"] for x in runs[name] if x["temperature"] == temperature and x["batch"] == batch]
+
+        plain, usd = of("plain"), of("usd")
+        ratios = [u / p for u, p in zip(usd, plain)]
+        rows.append({"temperature": temperature, "batch": batch, "plain_tok_s": plain, "usd_tok_s": usd,
+                     "paired_ratios": ratios, "ratio": statistics.median(ratios)})
+    result = {"command": "python benchmarks/interleaved_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "pair": args.pair, "k": args.k, "usd": json.loads(args.usd), "rounds": args.rounds,
+              "max_tokens": args.max_tokens, "rows": rows, "proposer_counters": counters}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    print("| T | batch | target alone tok/s | vllm-usd tok/s | paired ratios | median |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['temperature']} | {row['batch']} | {statistics.median(row['plain_tok_s']):.1f} | "
+              f"{statistics.median(row['usd_tok_s']):.1f} | {' '.join(f'{x:.2f}' for x in row['paired_ratios'])} | "
+              f"**{row['ratio']:.2f}x** |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
