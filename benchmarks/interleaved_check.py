@@ -54,23 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=2, help="batches of prompts per timed run (batch > 1)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--usd", default="{}", help="extra usd settings, JSON (default: vllm-usd's defaults)")
+    parser.add_argument("--with-fixed", action="store_true",
+                        help="a third engine: the same settings with adaptive_length false (always k drafts)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
     prompts = [p["text"] for p in load_prompts()[0]]
     settings = [(t, b) for t in args.temperatures for b in args.batch_sizes]
-    extra = speculative_args(drafter=spec.drafter, k=args.k, profile=True, **json.loads(args.usd))
+    usd = json.loads(args.usd)
+    systems = {"plain": {}, "usd": speculative_args(drafter=spec.drafter, k=args.k, profile=True, **usd)}
+    if args.with_fixed:
+        systems["fixed"] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
+                                            **{**usd, "adaptive_length": False})
     max_batch = max(args.batch_sizes)
-    runs: dict[str, list[dict]] = {"plain": [], "usd": []}
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:
-        engines = {"plain": stack.enter_context(engine(spec.target, max_batch, {})),
-                   "usd": stack.enter_context(engine(spec.target, max_batch, extra))}
+        engines = {name: stack.enter_context(engine(spec.target, max_batch, extra))
+                   for name, extra in systems.items()}
         for name, llm in engines.items():  # warm-up
             _timed(llm, prompts[:2], 2, 0.0, 8)
         for r in range(args.rounds):
             for temperature, batch in settings:
                 group = prompts[:4] if batch == 1 else prompts[:batch * args.groups]
-                order = ("plain", "usd") if r % 2 == 0 else ("usd", "plain")
+                order = list(systems) if r % 2 == 0 else list(reversed(systems))
                 for name in order:
                     tok_s = _timed(engines[name], group, batch, temperature, args.max_tokens)
                     runs[name].append({"round": r, "temperature": temperature, "batch": batch, "tok_s": tok_s})
@@ -82,21 +88,33 @@ def main(argv: list[str] | None = None) -> int:
         def of(name):
             return [x["tok_s"] for x in runs[name] if x["temperature"] == temperature and x["batch"] == batch]
 
-        plain, usd = of("plain"), of("usd")
-        ratios = [u / p for u, p in zip(usd, plain)]
-        rows.append({"temperature": temperature, "batch": batch, "plain_tok_s": plain, "usd_tok_s": usd,
-                     "paired_ratios": ratios, "ratio": statistics.median(ratios)})
+        row = {"temperature": temperature, "batch": batch, "plain_tok_s": of("plain")}
+        for name in systems:
+            if name != "plain":
+                ratios = [u / p for u, p in zip(of(name), of("plain"))]
+                row.update({f"{name}_tok_s": of(name), f"{name}_paired_ratios": ratios,
+                            f"{name}_ratio": statistics.median(ratios)})
+        if "fixed" in systems:  # adaptive against always-k, paired the same way
+            row["usd_vs_fixed"] = statistics.median([u / f for u, f in zip(of("usd"), of("fixed"))])
+        rows.append(row)
     result = {"command": "python benchmarks/interleaved_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "usd": json.loads(args.usd), "rounds": args.rounds,
               "max_tokens": args.max_tokens, "rows": rows, "proposer_counters": counters}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
-    print("| T | batch | target alone tok/s | vllm-usd tok/s | paired ratios | median |")
-    print("|---|---|---|---|---|---|")
+    others = [name for name in systems if name != "plain"]
+    print("| T | batch | target alone tok/s | " + " | ".join(f"{n} tok/s | {n} paired ratios | {n} median"
+                                                         for n in others)
+          + (" | adaptive / fixed |" if "fixed" in systems else " |"))
+    print("|---" * (3 + 3 * len(others) + ("fixed" in systems)) + "|")
     for row in rows:
-        print(f"| {row['temperature']} | {row['batch']} | {statistics.median(row['plain_tok_s']):.1f} | "
-              f"{statistics.median(row['usd_tok_s']):.1f} | {' '.join(f'{x:.2f}' for x in row['paired_ratios'])} | "
-              f"**{row['ratio']:.2f}x** |")
+        cells = [str(row["temperature"]), str(row["batch"]), f"{statistics.median(row['plain_tok_s']):.1f}"]
+        for n in others:
+            cells += [f"{statistics.median(row[f'{n}_tok_s']):.1f}",
+                      " ".join(f"{x:.2f}" for x in row[f"{n}_paired_ratios"]), f"**{row[f'{n}_ratio']:.2f}x**"]
+        if "fixed" in systems:
+            cells.append(f"{row['usd_vs_fixed']:.2f}")
+        print("| " + " | ".join(cells) + " |")
     return 0
 
 

@@ -9,6 +9,10 @@ runs it). Checks, each with "ok":
   rollback) gives the logits of a plain eager transformers forward on the same device;
 - q_sums_to_one: sampled drafts on the device: q sums to 1 over the intersection, is
   positive at the draft and zero outside the intersection once scattered;
+- draft_loop_host_copies: TLI's draft loop (3 positions, mixed greedy and sampled rows) on
+  the device reads nothing back to the host between positions (``tolist``/``item`` counted:
+  the one read is the next step's settle); on cuda it also reports the synchronizing calls
+  ``torch.cuda.set_sync_debug_mode("warn")`` sees (host-to-device copies of positions count there);
 - graph_replay: not built yet (the decode step runs eagerly), reported as such;
 - step_ms: decode-step times of a SmolLM2-135M-shaped drafter (random weights, so no
   download) per weight format and batch size, against the weight-read limit.
@@ -74,6 +78,66 @@ def q_sums_to_one(device: str) -> dict:
     return {"ok": ok, "max_sum_err": float((sums - 1).abs().max())}
 
 
+def draft_loop_host_copies(device: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures import tiny
+    from vllm_usd.core.pair import DraftPair
+    from vllm_usd.drafter.attention import ATTN_NAME, register_attention
+    from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
+    from vllm_usd.drafting import DraftRows, PhaseTimer
+    from vllm_usd.drafting.requests import RequestState
+    from vllm_usd.drafting.tli import IntersectionDrafting
+
+    target_dir, drafter_dir = tiny.build_distribution_pair()
+    pair = DraftPair.build(AutoTokenizer.from_pretrained(target_dir), AutoTokenizer.from_pretrained(drafter_dir))
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(drafter_dir, attn_implementation=ATTN_NAME).to(device).eval()
+    rt = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26)
+    strategy = IntersectionDrafting(pair.mapping, rt, k=3, pruned_head=True, timer=PhaseTimer(False))
+    rows = DraftRows()
+    for i, temperature in enumerate((0.0, 0.8, 1.0)):
+        tr = pair.translator()
+        tr.start(list(range(5 + i, 20 + 2 * i)))
+        rt.add(f"r{i}")
+        for column, value in ((rows.rows, i), (rows.req_ids, f"r{i}"), (rows.unchanged, 0), (rows.target_tails, []),
+                              (rows.sequences, list(tr.draft_ids)), (rows.positions, len(tr.draft_ids))):
+            column.append(value)
+        rows.states.append(RequestState(translator=tr, greedy=temperature == 0.0, temperature=temperature, top_k=0,
+                                        top_p=1.0, key=1000 + i, seeded=False, last_token=1 << 30))
+    strategy.draft(rows, salt=0, lengths=[3, 3, 3])
+    rt.cached_tokens("r0")  # settle the warm-up step's ids
+    copies = {"n": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+
+    def counting(name):
+        def read(tensor, *args, **kwargs):
+            copies["n"] += 1
+            return originals[name](tensor, *args, **kwargs)
+        return read
+
+    import warnings
+
+    on_cuda = torch.device(device).type == "cuda"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for name in originals:
+                setattr(torch.Tensor, name, counting(name))
+            if on_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            batch = strategy.draft(rows, salt=0, lengths=[3, 2, 1])
+        finally:
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+    syncs = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)]
+    return {"ok": copies["n"] == 0 and tuple(batch.target_ids.shape) == (3, 3), "host_reads": copies["n"],
+            "cuda_sync_warnings": len(syncs) if on_cuda else None, "first_sync_warning": syncs[0] if syncs else None}
+
+
 def step_times(device: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,13 +180,14 @@ def main() -> int:
     summary: dict = {"device": device, "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else None}
     for name, check in (("runtime_vs_eager", runtime_vs_eager), ("q_sums_to_one", q_sums_to_one),
-                        ("step_ms", step_times)):
+                        ("draft_loop_host_copies", draft_loop_host_copies), ("step_ms", step_times)):
         try:
             summary[name] = check(device)
         except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
             summary[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     summary["graph_replay"] = {"ok": None, "status": "not built: the decode step runs eagerly"}
-    summary["ok"] = all(summary[c]["ok"] for c in ("runtime_vs_eager", "q_sums_to_one", "step_ms"))
+    summary["ok"] = all(summary[c]["ok"] for c in ("runtime_vs_eager", "q_sums_to_one", "draft_loop_host_copies",
+                                                   "step_ms"))
     print(json.dumps(summary))
     return 0 if summary["ok"] else 1
 
