@@ -36,8 +36,9 @@ def _force(p, table: dict[str, int]) -> None:
 
 def _spy_forwards(p) -> list[list[str]]:
     calls: list[list[str]] = []
-    real = p.runtime.forward
+    real, real_next = p.runtime.forward, p.runtime.forward_next
     p.runtime.forward = lambda ids, keep, new: calls.append(list(ids)) or real(ids, keep, new)
+    p.runtime.forward_next = lambda ids, keep, tokens: calls.append(list(ids)) or real_next(ids, keep, tokens)
     return calls
 
 

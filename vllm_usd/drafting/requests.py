@@ -44,9 +44,7 @@ class RequestState:
     key: int  # stable per request and the same on every rank: drafting seeds derive from it
     seeded: bool  # the request has its own seed
     last_token: int
-    committed: int = 0  # target tokens already given to the translator
-    # leading drafter tokens unchanged since the drafter last ran for this request; None: it ran last step
-    undrafted_known: int | None = None
+    committed: int = 0  # target tokens already given to the translator (it lags while the request drafts nothing)
 
 
 @dataclass
@@ -158,9 +156,6 @@ class RequestTable:
             _, appended = state.translator.feed(new_ids)
             known = len(state.translator.draft_ids) - len(appended)
         state.committed = num_tokens
-        if state.undrafted_known is not None:  # the drafter skipped steps: its cache matches less
-            known = min(known, state.undrafted_known)
-            state.undrafted_known = None
         seq = state.translator.draft_ids
         if not seq:
             return None
@@ -171,24 +166,36 @@ class RequestTable:
             return None
         return state, seq, known
 
-    def skip(self, rows: DraftRows) -> None:
-        """These rows get no draft this step: the drafter's cache does not follow their contexts."""
-        for state, known in zip(rows.states, rows.unchanged):
-            state.undrafted_known = known
-
     def collect(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
-                token_ids: np.ndarray, sampling: Callable[[str], RequestSampling]) -> DraftRows:
-        """The rows that get drafts this step, their contexts brought up to date."""
-        out = DraftRows()
+                token_ids: np.ndarray, sampling: Callable[[str], RequestSampling],
+                length_of: Callable[[str, RequestState], int]) -> tuple[DraftRows, list[int]]:
+        """The rows that get drafts this step, their contexts brought up to date, and their lengths.
+
+        ``length_of`` chooses a row's length (0..k). A known request it gives 0 is left as it is:
+        its context catches up, in one feed, the next time it drafts (the drafter's cache
+        is compared from the first token that may differ, so nothing else needs keeping).
+        """
+        out, lengths = DraftRows(), []
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 continue  # a prefill chunk in progress: no draft this step
             req_id = req_ids[i]
+            known_state = self._states.get(req_id)
+            length = None
+            if known_state is not None and req_id not in self._undraftable:
+                length = length_of(req_id, known_state)
+                if length == 0:
+                    continue
             n = int(num_tokens[i])
             synced = self.sync(req_id, n, token_ids[i], lambda: sampling(req_id))
             if synced is None:
                 continue
             state, seq, known = synced
+            if length is None:  # a request seen for the first time (or rebuilt): its state exists now
+                length = length_of(req_id, state)
+                if length == 0:
+                    continue
+            lengths.append(length)
             out.rows.append(i)
             out.req_ids.append(req_id)
             out.states.append(state)
@@ -196,4 +203,4 @@ class RequestTable:
             out.unchanged.append(known)
             out.positions.append(n)
             out.target_tails.append(token_ids[i][max(n - TAIL_TOKENS, 0):n].tolist())
-        return out
+        return out, lengths

@@ -182,8 +182,7 @@ class UniversalProposer:
         try:
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
-            rows = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-            rows, lengths = self._choose_lengths(rows, num_rows)
+            rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, num_rows)
             drafts: list[list[int]] = [[] for _ in range(num_rows)]
             if len(rows):
                 parts, batch = self._draft(rows, lengths)
@@ -198,8 +197,9 @@ class UniversalProposer:
                 self.timer.add("propose_total", self._last_end - started)
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
-                       token_ids: np.ndarray) -> DraftRows:
-        """Forget requests vLLM dropped; bring the others' drafter contexts up to date."""
+                       token_ids: np.ndarray, batch: int) -> tuple[DraftRows, list[int]]:
+        """Forget requests vLLM dropped; choose each row's length; bring the drafted rows' contexts
+        up to date. Returns those rows, longest first, and their lengths."""
         runner = self._runner
         for req_id in compat.scheduler_gone_req_ids(self._scheduler_output):
             self.requests.forget(req_id)
@@ -209,18 +209,25 @@ class UniversalProposer:
         req_ids = compat.runner_req_ids(runner)
         self.policy.observe(req_ids, sampled_token_ids)
         with self.timer.phase("translate"):
-            return self.requests.collect(req_ids, sampled_token_ids, num_tokens, token_ids,
-                                         lambda req_id: compat.request_sampling(runner, req_id))
+            rows, lengths = self.requests.collect(req_ids, sampled_token_ids, num_tokens, token_ids,
+                                                  lambda req_id: compat.request_sampling(runner, req_id),
+                                                  self._length_of(batch))
+        return self._longest_first(rows, lengths)
 
-    def _choose_lengths(self, rows: DraftRows, batch: int) -> tuple[DraftRows, list[int]]:
-        """Each row's length from the policy; rows at 0 leave the step, the rest go longest first."""
-        lengths = self.policy.lengths(rows.req_ids, [s.key for s in rows.states], batch)
-        for n in lengths:
+    def _length_of(self, batch: int):
+        """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
+        def length_of(req_id: str, state) -> int:
+            n = self.policy.lengths([req_id], [state.key], batch)[0]
             self.counters[f"length_{n}"] += 1
-        order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
-        if len(order) == len(rows) and order == list(range(len(rows))):
+            return n
+
+        return length_of
+
+    @staticmethod
+    def _longest_first(rows: DraftRows, lengths: list[int]) -> tuple[DraftRows, list[int]]:
+        order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+        if order == list(range(len(rows))):
             return rows, lengths
-        self.requests.skip(rows.subset([i for i, n in enumerate(lengths) if n == 0]))
         return rows.subset(order), [lengths[i] for i in order]
 
     def _draft_salt(self) -> int:
