@@ -2,19 +2,21 @@
 
 The GQA group is folded into the query length, and each row gets its own
 causal (and sliding-window) mask. ``slot_attention`` reads the masks of the
-forward in progress from a context variable that ``batch_masks`` sets.
+forward in progress from the forward's ``BATCH_KWARG`` keyword, which transformers
+hands down to its attention functions: no global state, so the forward traces
+whole (``torch.compile(fullgraph=True)``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 ATTN_NAME = "vllm_usd_slots"
+#: the model-forward keyword that carries the ``SlotBatch`` down to ``slot_attention`` (transformers
+#: passes a forward's extra keywords to its attention functions); a traced forward needs it
+BATCH_KWARG = "vllm_usd_slot_batch"
 
 
 @dataclass
@@ -26,8 +28,6 @@ class SlotBatch:
     kpos: torch.Tensor  # [Lk]
     sliding: dict[int, torch.Tensor]
 
-
-_CURRENT: contextvars.ContextVar[SlotBatch | None] = contextvars.ContextVar("vllm_usd_batch", default=None)
 
 
 def _mask_for(batch: SlotBatch, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _mask_for(batch: SlotBatch, window: int | None, dtype: torch.dtype) -> torch
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                    sliding_window=None, softcap=None, **kwargs):
     """query [R, H, T, D]; key/value [R, Hkv, Lk, D] (views into the slot cache)."""
-    batch = _CURRENT.get()
+    batch = kwargs.get(BATCH_KWARG)
     r, h, t, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
     g = h // hkv
@@ -69,12 +69,3 @@ def register_attention() -> None:
 
     AttentionInterface.register(ATTN_NAME, slot_attention)
 
-
-@contextlib.contextmanager
-def batch_masks(batch: SlotBatch) -> Iterator[None]:
-    """Make ``batch`` the masks that ``slot_attention`` reads during one forward."""
-    token = _CURRENT.set(batch)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)

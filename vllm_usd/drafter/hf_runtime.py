@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_usd.drafter.attention import SlotBatch, batch_masks
+from vllm_usd.drafter.attention import BATCH_KWARG, SlotBatch
 from vllm_usd.drafter.base import DrafterRuntime
 
 # Requests with more new tokens than this in one step (a prompt) are run in
@@ -196,6 +196,32 @@ class HFDrafterRuntime(DrafterRuntime):
                     [len(new_tokens[i]) for i in short_rows], host_tokens=[new_tokens[i] for i in short_rows])
         return out
 
+    def _step(self, tokens: torch.Tensor, pos: torch.Tensor, sel_rows: torch.Tensor, sel_cols: torch.Tensor,
+              lo: int, hi: int, key_len: int) -> torch.Tensor:
+        """The forward on slots lo..hi-1: tensors in, logits out, no host reads and no global state, so it
+        traces whole (tests/test_drafter_runtime.py compiles it with fullgraph=True).
+
+        tokens, pos: [R, T] new ids and their positions; sel_rows, sel_cols: [B] where each
+        requested row's last new token is. Returns [B, num_outputs] float32.
+        """
+        rows_n, t_max = tokens.shape
+        kpos = torch.arange(key_len, device=tokens.device)
+        allowed = kpos.view(1, 1, 1, -1) <= pos.view(rows_n, 1, t_max, 1)  # causal within each row
+        full = torch.zeros(allowed.shape, dtype=self._dtype, device=tokens.device).masked_fill_(
+            ~allowed, torch.finfo(self._dtype).min)  # [R, 1, T, Lk] additive
+        batch = SlotBatch(full=full, qpos=pos, kpos=kpos, sliding={})
+        rows = torch.arange(lo, hi, device=tokens.device).unsqueeze(1).expand(rows_n, t_max)
+        cache = _SlotCacheView(self, lo, hi, rows, pos, key_len)
+        hidden = self._base(
+            input_ids=tokens, position_ids=pos, attention_mask=full,
+            past_key_values=cache, use_cache=True, **{BATCH_KWARG: batch},
+        ).last_hidden_state  # [R, T, hidden]
+        last = hidden[sel_rows, sel_cols].to(self._head_dtype)  # [B, hidden]
+        logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()  # [B, num_outputs]
+        if self._final_softcap:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits
+
     def _run(self, req_ids: Sequence[str], keep: Sequence[int], num_new: Sequence[int], *,
              host_tokens: Sequence[Sequence[int]] | None = None,
              device_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,24 +252,9 @@ class HFDrafterRuntime(DrafterRuntime):
             tokens = torch.zeros(rows_n, 1, dtype=torch.long, device=dev)
             tokens[sel_rows, 0] = device_tokens.to(dev)
         pos = torch.tensor(starts, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t_max, device=dev)  # [R, T]
-        kpos = torch.arange(key_len, device=dev)
-        allowed = kpos.view(1, 1, 1, -1) <= pos.view(rows_n, 1, t_max, 1)  # causal within each row
-        full = torch.zeros(allowed.shape, dtype=self._dtype, device=dev).masked_fill_(~allowed, torch.finfo(self._dtype).min)
-        batch = SlotBatch(full=full, qpos=pos, kpos=kpos, sliding={})
-        rows = torch.arange(lo, hi, device=dev).unsqueeze(1).expand(rows_n, t_max)
-        cache = _SlotCacheView(self, lo, hi, rows, pos, key_len)
-
-        with batch_masks(batch):
-            hidden = self._base(
-                input_ids=tokens, position_ids=pos, attention_mask=full,
-                past_key_values=cache, use_cache=True,
-            ).last_hidden_state  # [R, T, hidden]
         # the last new token of each requested row
         sel_cols = torch.tensor([n - 1 for n in num_new], dtype=torch.long, device=dev)
-        last = hidden[sel_rows, sel_cols].to(self._head_dtype)  # [B, hidden]
-        logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()  # [B, num_outputs]
-        if self._final_softcap:
-            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        logits = self._step(tokens, pos, sel_rows, sel_cols, lo, hi, key_len)
 
         if device_tokens is None:
             for r, k, new in zip(req_ids, keep, host_tokens):
