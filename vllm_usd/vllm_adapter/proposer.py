@@ -212,13 +212,16 @@ class UniversalProposer:
             rows, lengths = self.requests.collect(req_ids, sampled_token_ids, num_tokens, token_ids,
                                                   lambda req_id: compat.request_sampling(runner, req_id),
                                                   self._length_of(batch))
+        for n in lengths:  # the drafted rows (a row whose context turned out not to be draftable is not one)
+            self.counters[f"length_{n}"] += 1
         return self._longest_first(rows, lengths)
 
     def _length_of(self, batch: int):
         """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
         def length_of(req_id: str, state) -> int:
             n = self.policy.lengths([req_id], [state.key], batch)[0]
-            self.counters[f"length_{n}"] += 1
+            if n == 0:
+                self.counters["length_0"] += 1
             return n
 
         return length_of
