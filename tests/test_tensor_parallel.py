@@ -8,10 +8,10 @@ with the same q, or the ranks' token histories silently diverge.
 - Under sampling, both ranks record identical per-step digests of (drafts, q)
   (``usd.debug_digests``). A planted bug (``tests.faults.RankRngProposer``: drafting
   seeded with the rank) must make them differ, here and in test_proposer_lifecycle.
-- The sampling-distribution test at TP=2, smaller sample: N = 4,000 two-token
-  completions with and without USD, chi-square homogeneity, pass at p >= 1e-3
-  (false-alarm rate 0.1%). Its power against a wrong q is shown at N = 20,000
-  in test_engine_distribution_pair.
+- The sampling-distribution test at TP=2, smaller sample: N = 6,000 two-token
+  completions with and without USD, chi-square homogeneity, pass at p >= ALPHA
+  = 1e-4 (false-alarm rate 0.01%, tests/stats.py). Its power against a wrong q
+  is shown at N = 30,000 in test_engine_distribution_pair.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import pytest
 from tests.engines import engine, spec_counts, token_ids
 from tests.faults import RankRngProposer
 from tests.prompts import LOWERCASE
-from tests.stats import homogeneity_pvalue
+from tests.stats import ALPHA, homogeneity_pvalue
 
 pytestmark = pytest.mark.engine
 
-N_SAMPLES = 4_000
+N_SAMPLES = 6_000
 PROMPT = "it was"
 
 
@@ -108,7 +108,7 @@ def test_drafter_is_replicated_on_every_rank(tp2_usd):
 
 def test_sampling_distribution_unchanged_at_tp2(tp1_plain, tp2_usd):
     p = homogeneity_pvalue(tp1_plain["samples"], tp2_usd["samples"])
-    assert p >= 1e-3, f"USD at TP=2 changed the output distribution: p = {p:.2e}"
+    assert p >= ALPHA, f"USD at TP=2 changed the output distribution: p = {p:.2e}"
 
 
 def test_digests_catch_rank_local_randomness_at_tp2(pair):
