@@ -1,10 +1,12 @@
 """The target alone and vllm-usd's defaults side by side, interleaved, on one pair.
 
 Both engines are up at once. Every round times each (temperature, batch) setting on one
-engine, then at once on the other (the order alternates by round), so both see the machine
+engine, then at once on the other (the order rotates by round), so both see the machine
 in the same state: on this VM a lone engine's speed drifts by 10-15% within minutes, which
 a plan that times one engine after the other reads as a speed-up or a slow-down.
-The ratio of a setting is the median over rounds of the paired ratios.
+The ratio of a setting is the median over rounds of the paired ratios. ``--control`` adds a
+second engine of the target alone, timed the same way: its ratio to the first is the noise
+band of every other ratio in the run (an A/A test).
 
     .venv/bin/python benchmarks/interleaved_check.py --pair gemma3-smollm2 --rounds 5 \\
         --out benchmarks/results/<date>-vm-interleaved.json
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--usd", default="{}", help="extra usd settings, JSON (default: vllm-usd's defaults)")
     parser.add_argument("--with-fixed", action="store_true",
                         help="a third engine: the same settings with adaptive_length false (always k drafts)")
+    parser.add_argument("--control", action="store_true",
+                        help="another engine of the target alone: its paired ratios show the run's noise")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_fixed:
         systems["fixed"] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
                                             **{**usd, "adaptive_length": False})
+    if args.control:
+        systems["control"] = {}
     max_batch = max(args.batch_sizes)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for temperature, batch in settings:
                 group = prompts[:4] if batch == 1 else prompts[:batch * args.groups]
-                order = list(systems) if r % 2 == 0 else list(reversed(systems))
+                names = list(systems)  # the order rotates by round (with two engines: alternates)
+                order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
                     tok_s = _timed(engines[name], group, batch, temperature, args.max_tokens)
                     runs[name].append({"round": r, "temperature": temperature, "batch": batch, "tok_s": tok_s})
