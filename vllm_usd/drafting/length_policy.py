@@ -7,7 +7,8 @@ Each step a request gets the length L that maximises
 where E comes from the request's own recent per-position acceptance (decayed
 counts, shrunk towards a pooled estimate from every request of the pair), and
 R(L) is the step's cost when the batch drafts L per request, relative to the
-plain target step (``StepCostModel``). L = 0 scores exactly 1, so a length is
+plain target step (``StepCostModel``: configured, then measured while serving,
+``cost_calibration.py``). L = 0 scores exactly 1, so a length is
 chosen only when it beats the target alone; then the drafter does no work for
 the request. A request left at 0 is probed with one draft every
 ``probe_interval`` of its steps, but only where drafting could pay at all
@@ -15,8 +16,9 @@ the request. A request left at 0 is probed with one draft every
 freeze at 0.
 
 Determinism: the choice depends only on acceptance counts (from the tokens
-every rank samples alike), the batch size, the configured cost model and the
-request's key: never on timings, randomness or this step's target output. Every
+every rank samples alike), the batch size, the cost model and the request's
+key: never on this rank's timings, randomness or this step's target output.
+The measured cost model is rank 0's, broadcast once to every rank, so every
 tensor-parallel rank chooses the same lengths.
 """
 
@@ -51,12 +53,15 @@ class StepCostModel:
 
     The target step with N tokens costs max(1 + verify_token_cost * (N - 1), N / compute_bound_tokens):
     nearly flat while reading the weights dominates, then linear once compute-bound. Each
-    drafted token adds one drafter forward of ``draft_cost`` per request.
+    draft position adds one drafter forward: ``draft_forward_cost`` for the forward, shared by
+    the batch, plus ``draft_cost`` per request in it. The configured model has no shared part;
+    a measured one (``cost_calibration.py``) has both.
     """
 
     draft_cost: float = DRAFT_COST_FIXED + DRAFT_COST_PER_WEIGHT
     verify_token_cost: float = VERIFY_TOKEN_COST
     compute_bound_tokens: float = COMPUTE_BOUND_TOKENS
+    draft_forward_cost: float = 0.0
 
     def target_step(self, tokens: int) -> float:
         return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
@@ -64,7 +69,7 @@ class StepCostModel:
     def relative_cost(self, batch: int, length: int) -> float:
         """The step's time when each of ``batch`` requests drafts ``length``, over the plain step."""
         batch = max(batch, 1)
-        drafted = self.target_step(batch * (1 + length)) + batch * length * self.draft_cost
+        drafted = self.target_step(batch * (1 + length)) + length * (self.draft_forward_cost + batch * self.draft_cost)
         return drafted / self.target_step(batch)
 
 
