@@ -35,6 +35,7 @@ class FakeRunner:
         self.requests: dict[str, SimpleNamespace] = {}
         self.history: dict[str, list[int]] = {}
         self.max_len = max_len
+        self.last_drafts: dict[str, list[int]] = {}  # what the target verifies in the next step
 
     def add(self, req_id: str, prompt: list[int], params=None) -> None:
         self.requests[req_id] = SimpleNamespace(sampling_params=params or sampling(), num_prompt_tokens=len(prompt))
@@ -57,6 +58,10 @@ class FakeRunner:
         for i, r in enumerate(ids):
             arr[i, : len(self.history[r])] = self.history[r]
         sampled = [[] if r in prefill else (new_tokens.get(r) or self.history[r][-1:]) for r in ids]
-        proposer.bind_step(self, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(preempted)))
+        spec = {r: self.last_drafts.get(r, []) for r in ids if r not in prefill}
+        scheduled = {r: len(self.history[r]) if r in prefill else 1 + len(spec[r]) for r in ids}
+        proposer.bind_step(self, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(preempted),
+                                                 num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=spec))
         drafts = proposer.propose(sampled, num, arr)
+        self.last_drafts = dict(zip(ids, drafts))
         return dict(zip(ids, drafts))

@@ -133,3 +133,59 @@ def test_ranks_choose_identical_lengths_drafts_and_q():
     assert steps0 == steps1 and digests0 == digests1 and lengths0 == lengths1
     per_step = {len(d) for step in steps0 for d in step.values()}
     assert len(per_step) >= 2, f"the power check needs lengths that vary: {lengths0}"
+
+
+# -- usd.cost_calibration_steps: the policy's costs measured while serving ------------------------
+def _serve(p, steps: int, lengths: dict[str, int] | None = None) -> None:
+    runner = FakeRunner()
+    for r, text in (("a", " the keeper"), ("b", " it was"), ("c", " a small house")):
+        runner.add(r, _prompt(text), sampling(0.0))
+    _force(p, lengths or {"a": 3, "b": 1, "c": 2})  # drafting every step, so that there is drafting to time
+    out = runner.step(p, {})
+    for _ in range(steps - 1):
+        out = runner.step(p, {r: d[:1] or runner.history[r][-1:] for r, d in out.items()})
+
+
+def test_costs_are_measured_after_the_calibration_steps_and_then_used():
+    p = _proposer(cost_calibration_steps=40)
+    configured = p.policy.costs
+    _serve(p, 39)
+    assert not p.stats()["costs_measured"] and p.policy.costs == configured
+    _serve(p, 1)
+    stats = p.stats()
+    assert stats["costs_measured"] and p.policy.costs != configured, stats["costs"]
+    assert all(v >= 0 and v < float("inf") for v in stats["costs"].values()), stats["costs"]
+    assert stats["costs"]["draft_forward_cost"] + stats["costs"]["draft_cost"] > 0, "drafting was timed"
+
+
+def test_configured_costs_are_not_measured():
+    for usd in ({"draft_cost": 0.1}, {"cost_calibration_steps": 0}):
+        p = _proposer(**usd)
+        configured = p.policy.costs
+        _serve(p, 300)
+        assert not p.stats()["costs_measured"] and p.policy.costs == configured, usd
+
+
+def test_every_rank_takes_the_costs_rank_0_broadcasts(monkeypatch):
+    """Each rank fits its own timings, but uses what the broadcast returns: rank 0's fit."""
+    from vllm_usd.drafting import StepCostModel
+    from vllm_usd.vllm_adapter import compat
+
+    rank0 = StepCostModel(draft_cost=0.5, verify_token_cost=0.01, compute_bound_tokens=1e9, draft_forward_cost=0.2)
+    sent = []
+    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: sent.append(obj) or (rank0, True))
+    p = _proposer(cost_calibration_steps=40)
+    _serve(p, 40)
+    assert len(sent) == 1 and isinstance(sent[0][0], StepCostModel), "this rank's own fit went to the broadcast once"
+    assert p.policy.costs == rank0 and p.stats()["costs_measured"]
+
+
+def test_a_window_without_drafts_measures_the_target_and_opens_another():
+    p = _proposer(cost_calibration_steps=40)
+    configured = p.policy.costs
+    _serve(p, 40, {"a": 0, "b": 0, "c": 0})
+    first = p.policy.costs
+    # one step size (3 tokens): the configured shape in the measured unit, the drafting not yet timed
+    assert p.stats()["costs_measured"] and first.draft_cost == configured.draft_cost
+    _serve(p, 40)
+    assert p.policy.costs.draft_cost != configured.draft_cost, "a second window timed the drafting"

@@ -146,3 +146,29 @@ def test_adaptive_lengths_are_the_same_on_every_rank(pair, tp1_plain):
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]
     assert lengths[0] == lengths[1] and any(n for key, n in lengths[0].items() if key != "length_0"), lengths
     assert rank0 and rank0 == rank1
+
+
+def test_measured_costs_are_rank_0s_on_every_rank(pair, tp1_plain):
+    """usd.cost_calibration_steps: each rank times its own steps, but both must take rank 0's fit (the
+    timings differ between ranks), and so choose the same lengths, drafts and q. Two requests one at a
+    time first: at batch 1 the configured costs draft, so the window times drafting too."""
+    from vllm import SamplingParams
+
+    from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
+
+    target, drafter = pair
+    usd = {"debug_digests": True, "adaptive_length": True, "cost_calibration_steps": 32}
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
+                distributed_executor_backend="mp", env=_bind_env(), usd=usd) as llm:
+        for prompt in LOWERCASE[:2]:
+            llm.generate([prompt], greedy, use_tqdm=False)
+        out = token_ids(llm.generate(LOWERCASE, greedy, use_tqdm=False))
+        llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
+        rank0, rank1 = llm.collective_rpc(draft_digests)
+        stats = llm.collective_rpc(proposer_stats)
+    assert [s["costs_measured"] for s in stats] == [True, True], [s["costs"] for s in stats]
+    assert stats[0]["costs"] == stats[1]["costs"], [s["costs"] for s in stats]
+    assert stats[0]["costs"]["draft_cost"] != 0.25, "the drafting was timed (0.25: the configured cost)"
+    assert out == tp1_plain["greedy"]
+    assert rank0 and rank0 == rank1

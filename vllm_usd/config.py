@@ -42,6 +42,10 @@ class UsdConfig:
                            the target is not compute-bound (default 0.045: 3 more tokens cost 1.13x).
     compute_bound_tokens:  tokens per target step past which each one costs 1/compute_bound_tokens of a
                            plain batch-1 step (default 5).
+    cost_calibration_steps: with draft_cost null, the policy's costs are measured on this engine over
+                           its first this many steps (target step time against tokens, drafting time
+                           against forwards and tokens: vllm_usd/drafting/cost_calibration.py) and replace
+                           the configured ones; tensor-parallel ranks all take rank 0's (default 128; 0: off).
     probe_interval:        a request left without drafts gets one draft every this many of its steps,
                            where drafting could pay at all (default 8).
     draft_mode:            "auto" (default): string-level drafting for greedy requests, intersection
@@ -69,6 +73,7 @@ class UsdConfig:
     draft_cost: float | None = None
     verify_token_cost: float = 0.045
     compute_bound_tokens: float = 5.0
+    cost_calibration_steps: int = 128
     probe_interval: int = 8
     draft_mode: str = "auto"
     string_draft_tokens: int | None = None
@@ -94,6 +99,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "draft_cost": (int, float, type(None)),
     "verify_token_cost": (int, float),
     "compute_bound_tokens": (int, float),
+    "cost_calibration_steps": (int,),
     "probe_interval": (int,),
     "draft_mode": (str,),
     "string_draft_tokens": (int, type(None)),
@@ -161,6 +167,8 @@ def parse_usd_config(additional_config: Any) -> UsdConfig:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.verify_token_cost must be in [0, 100].")
     if not cfg.compute_bound_tokens >= 1:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.compute_bound_tokens must be >= 1.")
+    if cfg.cost_calibration_steps < 0:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.cost_calibration_steps must be >= 0 (0: off).")
     if cfg.probe_interval < 1:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.probe_interval must be >= 1.")
     return cfg

@@ -143,6 +143,33 @@ def scheduler_gone_req_ids(scheduler_output) -> set[str]:
     return gone
 
 
+def decode_step_tokens(scheduler_output) -> int | None:
+    """Tokens the target computed this step when every request decoded (one token plus its
+    drafts); None when a request prefilled, or the output does not say."""
+    counts = getattr(scheduler_output, "num_scheduled_tokens", None)
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    if not counts or spec is None:
+        return None
+    for req_id, n in counts.items():
+        if n != 1 + len(spec.get(req_id, ())):
+            return None
+    return int(sum(counts.values()))
+
+
+def tp_broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every tensor-parallel rank (every rank must call it at the same step);
+    ``obj`` itself without tensor parallelism."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - no model-parallel groups (one process): nothing to share
+        return obj
+    if group.world_size == 1:
+        return obj
+    return group.broadcast_object(obj, src=0)
+
+
 def worker_drafter(worker) -> Any:
     """The speculative proposer of a worker's model runner, or None."""
     return getattr(getattr(worker, "model_runner", None), "drafter", None)

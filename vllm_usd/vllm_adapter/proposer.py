@@ -8,6 +8,7 @@ just after. A step is three named parts: sync requests, draft, hand over.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthPolicy, DraftRows, FixedLength, IntersectionDrafting, PhaseTimer,
                                RequestTable, StepCostModel, StepDigests)
+from vllm_usd.drafting.cost_calibration import CostCalibration
 from vllm_usd.drafting.length_policy import draft_cost_from_weights
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
@@ -28,6 +30,8 @@ from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
 logger = logging.getLogger("vllm.usd")
+
+MAX_CALIBRATION_WINDOWS = 4  # windows of usd.cost_calibration_steps steps, until drafting was timed in one
 
 
 class UniversalProposer:
@@ -80,6 +84,9 @@ class UniversalProposer:
             counters=self.requests.counters,
         ) if drafts_text else None
         self.policy = self._length_policy(target_bytes=0)
+        self._calibration = self._cost_calibration()
+        self.costs_measured = False
+        self._calibration_windows = 0
         self.rank = compat.tp_rank()
         self._digests = StepDigests()
         self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device)
@@ -116,6 +123,15 @@ class UniversalProposer:
                               compute_bound_tokens=float(cfg.compute_bound_tokens))
         return DraftLengthPolicy(self.k, costs, probe_interval=cfg.probe_interval, counters=self.requests.counters)
 
+    def _cost_calibration(self) -> CostCalibration | None:
+        """usd.cost_calibration_steps: measure the policy's costs, where they are not configured."""
+        cfg = self.config
+        if not isinstance(self.policy, DraftLengthPolicy) or cfg.draft_cost is not None:
+            return None
+        if cfg.cost_calibration_steps <= 0:
+            return None
+        return CostCalibration(self.policy.costs, cfg.cost_calibration_steps)
+
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
         """vLLM calls this after loading the target; the drafter is already loaded.
@@ -125,6 +141,7 @@ class UniversalProposer:
         """
         if self.config.adaptive_length and self.config.draft_cost is None:
             self.policy = self._length_policy(compat.module_param_bytes(target_model))
+            self._calibration = self._cost_calibration()
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
         self._runner = runner
@@ -162,6 +179,8 @@ class UniversalProposer:
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
             "drafter_device": self.choice.device,
             "draft_cost": getattr(getattr(self.policy, "costs", None), "draft_cost", None),
+            "costs": dataclasses.asdict(self.policy.costs) if hasattr(self.policy, "costs") else None,
+            "costs_measured": self.costs_measured,
         }
 
     # -- one step ------------------------------------------------------------------------------
@@ -179,22 +198,59 @@ class UniversalProposer:
         started = time.perf_counter()
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
+        if self._calibration is not None:
+            self._calibrate(started)
         try:
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
             rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, num_rows)
             drafts: list[list[int]] = [[] for _ in range(num_rows)]
             if len(rows):
+                drafting_started = time.perf_counter()
                 parts, batch = self._draft(rows, lengths)
                 self._hand_over(parts, batch, drafts)
+                if self._calibration is not None:
+                    self._calibration.record_drafting(max(lengths), sum(lengths),
+                                                      time.perf_counter() - drafting_started)
             return drafts
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             self._recover(exc, num_rows)
             return [[] for _ in range(num_rows)]
         finally:
-            if self.config.profile:
+            if self.config.profile or self._calibration is not None:
                 self._last_end = time.perf_counter()
                 self.timer.add("propose_total", self._last_end - started)
+
+    def _calibrate(self, started: float) -> None:
+        """Record the target's step that just ran; after usd.cost_calibration_steps steps, every rank
+        takes rank 0's measured costs (vLLM calls every rank's propose at every step)."""
+        calibration = self._calibration
+        tokens = compat.decode_step_tokens(self._scheduler_output)
+        if tokens is not None and self._last_end is not None:
+            calibration.record_step(tokens, started - self._last_end)
+        if not calibration.count_step():
+            return
+        self._calibration = None
+        try:  # every rank fits its own timings ...
+            fitted = (calibration.fit(), calibration.drafting_measured)
+        except Exception as exc:  # noqa: BLE001 - the configured costs stay
+            logger.warning("vllm-usd: fitting the draft-length costs failed (%s)", exc)
+            fitted = (None, False)
+        try:  # ... and every rank calls the broadcast, which keeps the tensor-parallel group's rank 0's
+            measured, drafting_measured = compat.tp_broadcast_from_rank0(fitted)
+        except Exception as exc:  # noqa: BLE001 - the configured costs stay
+            logger.warning("vllm-usd: sharing the measured draft-length costs failed (%s); the configured ones "
+                           "stay", exc)
+            return
+        self._calibration_windows += 1
+        again = self._calibration_windows < MAX_CALIBRATION_WINDOWS
+        if measured is not None:
+            self.policy.costs, self.costs_measured = measured, True
+        logger.info("vllm-usd: draft-length costs after %d steps: %s%s", calibration.steps,
+                    measured if measured is not None else "too few timings, the configured ones stay",
+                    "" if drafting_measured else " (no drafting to time" + ("; measuring again)" if again else ")"))
+        if again and not drafting_measured:  # measure again on the new costs, where drafting may pay
+            self._calibration = CostCalibration(self.policy.costs, calibration.steps)
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        token_ids: np.ndarray, batch: int) -> tuple[DraftRows, list[int]]:
