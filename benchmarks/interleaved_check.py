@@ -58,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--usd", default="{}", help="extra usd settings, JSON (default: vllm-usd's defaults)")
     parser.add_argument("--with-fixed", action="store_true",
                         help="a third engine: the same settings with adaptive_length false (always k drafts)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="another vllm-usd engine, with these usd settings over --usd's (repeatable)")
     parser.add_argument("--control", action="store_true",
                         help="another engine of the target alone: its paired ratios show the run's noise")
+    parser.add_argument("--warmup-rounds", type=int, default=0,
+                        help="untimed rounds of every setting first (the engine's cost calibration runs in them)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_fixed:
         systems["fixed"] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
                                             **{**usd, "adaptive_length": False})
+    for variant in args.variant:
+        name, _, settings_json = variant.partition("=")
+        systems[name] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
+                                         **{**usd, **json.loads(settings_json)})
     if args.control:
         systems["control"] = {}
     max_batch = max(args.batch_sizes)
@@ -79,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                    for name, extra in systems.items()}
         for name, llm in engines.items():  # warm-up
             _timed(llm, prompts[:2], 2, 0.0, 8)
+            for _ in range(args.warmup_rounds):
+                for temperature, batch in settings:
+                    _timed(llm, prompts[:4] if batch == 1 else prompts[:batch * args.groups], batch, temperature,
+                           args.max_tokens)
         for r in range(args.rounds):
             for temperature, batch in settings:
                 group = prompts[:4] if batch == 1 else prompts[:batch * args.groups]
@@ -90,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
         stats = engines["usd"].collective_rpc(proposer_stats)[0] or {}
         counters = stats.get("counters", {})  # rows per chosen length (length_0 ...), probes, string rows
+        costs = {"costs": stats.get("costs"), "costs_measured": stats.get("costs_measured")}
     rows = []
     for temperature, batch in settings:
         def of(name):
@@ -106,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     result = {"command": "python benchmarks/interleaved_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "usd": json.loads(args.usd), "rounds": args.rounds,
-              "max_tokens": args.max_tokens, "rows": rows, "proposer_counters": counters}
+              "max_tokens": args.max_tokens, "rows": rows, "proposer_counters": counters,
+              **costs, "warmup_rounds": args.warmup_rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     others = [name for name in systems if name != "plain"]
