@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tests.fakes import FakeRunner, sampling, vllm_config
@@ -31,7 +33,9 @@ def _prompt(text):
 
 
 def _force(p, table: dict[str, int]) -> None:
+    """The policy gives these lengths (and so may draft at any batch size)."""
     p.policy.lengths = lambda req_ids, keys, batch: [table[r] for r in req_ids]
+    p.policy.may_draft = lambda batch: True
 
 
 def _spy_forwards(p) -> list[list[str]]:
@@ -189,3 +193,21 @@ def test_a_window_without_drafts_measures_the_target_and_opens_another():
     assert p.stats()["costs_measured"] and first.draft_cost == configured.draft_cost
     _serve(p, 40)
     assert p.policy.costs.draft_cost != configured.draft_cost, "a second window timed the drafting"
+
+
+def test_a_batch_size_where_no_length_pays_costs_no_per_request_work():
+    """Costs under which even perfect acceptance loses: no row is translated or drafted, and a later
+    step where drafting pays starts the requests as new ones."""
+    p = _proposer(draft_cost=50.0)
+    runner = FakeRunner()
+    for r, text in (("a", " the keeper"), ("b", " it was")):
+        runner.add(r, _prompt(text), sampling(0.0))
+    calls = _spy_forwards(p)
+    for _ in range(3):
+        assert all(d == [] for d in runner.step(p, {}).values())
+    counters = p.stats()["counters"]
+    assert calls == [] and len(p.requests) == 0, "no request state was built"
+    assert counters["no_length_pays_steps"] == 3 and counters["length_0"] == 6
+    p.policy.costs = dataclasses.replace(p.policy.costs, draft_cost=0.001)
+    assert any(runner.step(p, {}).values()), "where drafting pays again, the requests draft"
+    assert len(p.requests) == 2

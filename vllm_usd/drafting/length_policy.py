@@ -179,6 +179,11 @@ class DraftLengthPolicy:
     def _probe_pays(self, batch: int) -> bool:
         return self.best_length([1.0] * self.k, batch) > 0
 
+    def may_draft(self, batch: int) -> bool:
+        """False where no request can get a draft at this batch size: not even perfect acceptance
+        would beat the target alone, so every length is 0 and the step needs no per-request work."""
+        return self._probe_pays(batch)
+
     def lengths(self, req_ids: Sequence[str], keys: Sequence[int], batch: int) -> list[int]:
         """This step's length for each request (``keys``: the requests' stable keys, equal on every rank).
 
@@ -214,6 +219,9 @@ class FixedLength:
 
     def forget_all_but(self, live: Collection[str]) -> None:
         pass
+
+    def may_draft(self, batch: int) -> bool:
+        return True
 
     def lengths(self, req_ids: Sequence[str], keys: Sequence[int], batch: int) -> list[int]:
         return [self.k] * len(req_ids)

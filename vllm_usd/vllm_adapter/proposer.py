@@ -264,6 +264,10 @@ class UniversalProposer:
         self.policy.forget_all_but(live)
         req_ids = compat.runner_req_ids(runner)
         self.policy.observe(req_ids, sampled_token_ids)
+        if not self.policy.may_draft(batch):  # no length pays at this batch size: every row at 0, no work
+            self.counters["length_0"] += sum(1 for s in sampled_token_ids if s)
+            self.counters["no_length_pays_steps"] += 1
+            return DraftRows(), []
         with self.timer.phase("translate"):
             rows, lengths = self.requests.collect(req_ids, sampled_token_ids, num_tokens, token_ids,
                                                   lambda req_id: compat.request_sampling(runner, req_id),
