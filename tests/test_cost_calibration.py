@@ -115,3 +115,24 @@ def test_without_drafting_timings_only_the_target_is_measured():
     assert not cal.drafting_measured
     assert model.verify_token_cost == pytest.approx(B / (A + B), rel=0.15)
     assert (model.draft_cost, model.draft_forward_cost) == (CONFIGURED.draft_cost, CONFIGURED.draft_forward_cost)
+
+
+def test_a_target_that_turns_compute_bound_is_fitted_in_both_regimes():
+    """t(N) = max(10 ms + 0.4 ms N, 1.6 ms N): flat-ish to N = 8, then proportional. A single line
+    through all sizes would overprice verifying at batch 1 (and underprice it at 32)."""
+    def step(n):
+        return max(0.010 + 0.0004 * n, 0.0016 * n)
+
+    cal = CostCalibration(CONFIGURED, steps=400)
+    rng = random.Random(3)
+    for i in range(400):
+        cal.count_step()
+        batch, length = (1, 4, 8, 16)[i % 4], rng.randrange(4)
+        cal.record_step(batch * (1 + length), step(batch * (1 + length)) * (1 + rng.uniform(-0.03, 0.03)))
+        if length:
+            cal.record_drafting(length, batch * length, F0 * length + F1 * batch * length)
+    model = cal.fit()
+    for batch, length in ((1, 1), (1, 3), (4, 2), (8, 1), (16, 3)):
+        truth = (step(batch * (1 + length)) + length * (F0 + F1 * batch)) / step(batch)
+        assert model.relative_cost(batch, length) == pytest.approx(truth, rel=0.05), (batch, length, model)
+    assert 4 < model.compute_bound_tokens < 10, model

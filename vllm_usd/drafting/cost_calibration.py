@@ -7,15 +7,16 @@ steps an engine serves and fits a ``StepCostModel`` to them:
 
 * the target's step: seconds from the end of one propose to the start of the next (target
   forward, sampling, scheduling), against the tokens the step computed, in steps where every
-  request decoded (a prefill costs by its prompt, not by its drafts). Fitted as a line
-  t(N) = a + b N through the median time at each N (medians: a pause or a slow step is not
-  a trend).
+  request decoded (a prefill costs by its prompt, not by its drafts). Fitted to the median
+  time at each N (medians: a pause or a slow step is not a trend) in the configured shape:
+  t(N) = max(a + b N, s N), a line while reading the weights dominates, proportional once
+  compute-bound.
 * drafting: seconds of the proposer's drafting work in a step, against its draft positions
   (drafter forwards) and drafted tokens: d = f0 positions + f1 tokens, least squares on the
   medians of each (positions, tokens), both terms at least 0.
 
 In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b),
-``compute_bound_tokens`` unbounded (the line holds over the measured range),
+``compute_bound_tokens`` (a + b) / s (unbounded where no measured size is compute-bound),
 ``draft_forward_cost`` f0 / (a + b) and ``draft_cost`` f1 / (a + b). A term the timings cannot
 tell keeps its configured value: with one N only, the configured target model is kept and
 only the drafting costs are measured, in its units; where tokens grow with positions in one
@@ -84,22 +85,37 @@ class CostCalibration:
         return replace(model, draft_forward_cost=round(f0 / unit, 6), draft_cost=round(f1 / unit, 6))
 
     def _fit_target(self) -> tuple[float, StepCostModel] | None:
-        """(seconds of a one-token step, the target part of the model in that unit)."""
+        """(seconds of a one-token step, the target part of the model in that unit).
+
+        The configured shape, fitted: a line a + b N up to a knee (reading the weights
+        dominates), then proportional, s N (compute-bound). Every knee between measured sizes
+        is tried (past the last one: a line throughout); the one with the least relative
+        error wins, so a step of 1 token and one of 32 count alike.
+        """
         if sum(len(v) for v in self._step_times.values()) < MIN_SAMPLES:
             return None
         points = [(n, statistics.median(v), len(v)) for n, v in sorted(self._step_times.items())]
         if len(points) < 2:  # one N: the configured shape, scaled by the time measured at it
             n, t, _ = points[0]
             return t / self.configured.target_step(n), self.configured
-        a, b = _line(points)
-        if b < 0:  # noise over a flat range: no measurable cost per token
-            a, b = _weighted_mean(points), 0.0
-        if a < 0:  # steeper than proportional: through the origin
-            a, b = 0.0, sum(w * t * n for n, t, w in points) / sum(w * n * n for n, t, w in points)
+        best: tuple[float, float, float, float | None] | None = None  # (error, a, b, s)
+        for knee in range(2, len(points) + 1):
+            low, high = points[:knee], points[knee:]
+            a, b = _line(low)
+            if b < 0:  # noise over a flat range: no measurable cost per token
+                a, b = _weighted_mean(low), 0.0
+            if a < 0:  # steeper than proportional: through the origin
+                a, b = 0.0, _through_origin(low)
+            s = _through_origin(high) if high else None
+            error = sum(w * ((t - max(a + b * n, s * n if s else 0.0)) / t) ** 2 for n, t, w in points)
+            if best is None or error < best[0]:
+                best = (error, a, b, s)
+        _, a, b, s = best
         unit = a + b
         if not unit > 0:
             return None
-        model = replace(self.configured, verify_token_cost=round(b / unit, 6), compute_bound_tokens=UNBOUNDED_TOKENS)
+        bound = unit / s if s else UNBOUNDED_TOKENS
+        model = replace(self.configured, verify_token_cost=round(b / unit, 6), compute_bound_tokens=round(bound, 4))
         return unit, model
 
     def _fit_drafting(self) -> tuple[float, float] | None:
@@ -120,18 +136,25 @@ class CostCalibration:
         return f0, f1
 
 
+# The target's fits weigh each size's median by its count over its square: relative errors.
 def _weighted_mean(points: list[tuple[int, float, int]]) -> float:
-    return sum(w * t for _, t, w in points) / sum(w for _, _, w in points)
+    return sum(w / t for _, t, w in points) / sum(w / (t * t) for _, t, w in points)
 
 
 def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
-    """Weighted least squares t = a + b n."""
-    sw = sum(w for _, _, w in points)
-    mn = sum(w * n for n, _, w in points) / sw
-    mt = sum(w * t for _, t, w in points) / sw
-    snn = sum(w * (n - mn) ** 2 for n, _, w in points)
-    b = sum(w * (n - mn) * (t - mt) for n, t, w in points) / snn
+    """Least squares t = a + b n, in relative error."""
+    weights = [w / (t * t) for _, t, w in points]
+    sw = sum(weights)
+    mn = sum(x * n for x, (n, _, _) in zip(weights, points)) / sw
+    mt = sum(x * t for x, (_, t, _) in zip(weights, points)) / sw
+    snn = sum(x * (n - mn) ** 2 for x, (n, _, _) in zip(weights, points))
+    b = sum(x * (n - mn) * (t - mt) for x, (n, t, _) in zip(weights, points)) / snn
     return mt - b * mn, b
+
+
+def _through_origin(points: list[tuple[int, float, int]]) -> float:
+    """Least squares t = s n, in relative error."""
+    return sum(w / t * n for n, t, w in points) / sum(w / (t * t) * n * n for n, t, w in points)
 
 
 def _two_terms(rows: list[tuple[int, int, float, int]]) -> tuple[float, float]:
