@@ -157,7 +157,8 @@ def test_measured_costs_are_rank_0s_on_every_rank(pair, tp1_plain):
     from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
 
     target, drafter = pair
-    usd = {"debug_digests": True, "adaptive_length": True, "cost_calibration_steps": 32}
+    # TLI for every request: the calibration times TLI drafting only (a string row's work is its budget)
+    usd = {"debug_digests": True, "adaptive_length": True, "cost_calibration_steps": 32, "draft_mode": "tli"}
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
                 distributed_executor_backend="mp", env=_bind_env(), usd=usd) as llm:

@@ -12,7 +12,7 @@ steps an engine serves and fits a ``StepCostModel`` to them:
   t(N) = max(a + b N, s N), a line while reading the weights dominates, proportional once
   compute-bound.
 * drafting: seconds of the proposer's drafting work in a step, against its draft positions
-  (drafter forwards) and drafted tokens: d = f0 positions + f1 tokens, least squares on the
+  (drafter forwards) and drafted tokens (the caller records TLI steps only): d = f0 positions + f1 tokens, least squares on the
   medians of each (positions, tokens), both terms at least 0.
 
 In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b),

@@ -209,7 +209,8 @@ class UniversalProposer:
                 drafting_started = time.perf_counter()
                 parts, batch = self._draft(rows, lengths)
                 self._hand_over(parts, batch, drafts)
-                if self._calibration is not None:
+                if self._calibration is not None and len(parts) == 1 and batch is not None:
+                    # TLI rows only: a string row's work is its budget of drafter tokens, whatever its length
                     self._calibration.record_drafting(max(lengths), sum(lengths),
                                                       time.perf_counter() - drafting_started)
             return drafts
