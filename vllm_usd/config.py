@@ -45,7 +45,8 @@ class UsdConfig:
     cost_calibration_steps: with draft_cost null, the policy's costs are measured on this engine over
                            its first this many steps (target step time against tokens, drafting time
                            against forwards and tokens: vllm_usd/drafting/cost_calibration.py) and replace
-                           the configured ones; tensor-parallel ranks all take rank 0's (default 128; 0: off).
+                           the configured ones; tensor-parallel ranks all take rank 0's (default 0: off; see
+                           the README for why it is opt-in).
     probe_interval:        a request left without drafts gets one draft every this many of its steps,
                            where drafting could pay at all (default 8).
     draft_mode:            "auto" (default): string-level drafting for greedy requests, intersection
@@ -73,7 +74,7 @@ class UsdConfig:
     draft_cost: float | None = None
     verify_token_cost: float = 0.045
     compute_bound_tokens: float = 5.0
-    cost_calibration_steps: int = 128
+    cost_calibration_steps: int = 0
     probe_interval: int = 8
     draft_mode: str = "auto"
     string_draft_tokens: int | None = None
