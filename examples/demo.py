@@ -11,6 +11,7 @@ files shipped on PyPI (see vllm_usd/demo_pair.py).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -45,7 +46,7 @@ def _run(model: str, prompts: list[str], params, spec: dict | None, max_model_le
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
     return {
         "outputs": outputs, "tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_length": 1 + accepted / drafts if drafts else None, "drafts": int(drafts),
     }
 
 
@@ -56,6 +57,11 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=3, help="speculative tokens per step")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="draft k tokens every step (usd.adaptive_length false) instead of letting the "
+                             "draft-length policy choose")
+    parser.add_argument("--usd", type=json.loads, default={}, metavar="JSON",
+                        help='more additional_config.usd settings, e.g. \'{"draft_mode": "tli"}\'')
     args = parser.parse_args()
 
     from vllm import SamplingParams
@@ -73,7 +79,9 @@ def main() -> None:
     print(f"[demo] target  {args.target}\n[demo] drafter {args.drafter}\n[demo] k={args.k}, "
           f"temperature={args.temperature}, {len(PROMPTS)} prompts x {args.max_tokens} tokens", flush=True)
     base = _run(args.target, PROMPTS, params, None, 1024)
-    usd = _run(args.target, PROMPTS, params, vllm_usd.speculative_args(drafter=args.drafter, k=args.k), 1024)
+    usd = _run(args.target, PROMPTS, params, vllm_usd.speculative_args(drafter=args.drafter, k=args.k,
+                                                                        **{"adaptive_length": not args.fixed_length,
+                                                                           **args.usd}), 1024)
 
     for prompt, out in zip(PROMPTS, usd["outputs"]):
         print("-" * 72)
@@ -84,7 +92,14 @@ def main() -> None:
     print(f"without speculation: {base['tok_s']:7.1f} tokens/s ({base['tokens']} tokens in {base['seconds']:.1f} s)")
     print(f"with vllm-usd (k={args.k}): {usd['tok_s']:7.1f} tokens/s ({usd['tokens']} tokens in {usd['seconds']:.1f} s)"
           f", speed ratio {usd['tok_s'] / base['tok_s']:.2f}x")
-    print(f"acceptance length: {usd['acceptance_length']:.2f} tokens per target step (1 + accepted/drafts)")
+    if usd["acceptance_length"] is None:
+        # the draft-length policy may judge that no draft pays (a drafter as costly as the target, or a
+        # large batch): then nothing is drafted and vllm-usd runs as the target alone
+        print("acceptance length: no drafts this run (the draft-length policy found none would pay; "
+              "--fixed-length drafts k every step)")
+    else:
+        print(f"acceptance length: {usd['acceptance_length']:.2f} tokens per target step (1 + accepted/drafts), "
+              f"{usd['drafts']} drafts")
     if args.temperature == 0:
         print(f"greedy outputs identical to the target alone: {sum(same)}/{len(same)}")
         if not all(same):
