@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--formats", nargs="+", help="default: every format the device runs")
+    parser.add_argument("--threads", type=int, nargs="+",
+                        help="thread counts to time, each in turn: llama.cpp's n_threads and torch's (default: "
+                             "llama.cpp takes every CPU this process may run on, torch keeps its own)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -116,26 +120,30 @@ def main(argv: list[str] | None = None) -> int:
             choice = DrafterChoice("llama_cpp", "gguf", "cpu", gguf)
         else:
             choice = DrafterChoice("transformers", fmt, args.device)
-        opened = open_drafter(drafter, choice, max_len=CONTEXT + 8, max_requests=max(args.batches),
-                              kv_budget_bytes=1 << 31)
-        runtime = opened.runtime
-        runtime.set_output_rows(head_rows(opened.vocab_size))
-        read = weight_bytes_read(runtime, fmt)
-        limit = read / bandwidth
-        for batch in args.batches:
-            times = step_times(runtime, batch, args.steps, args.device)
-            median = statistics.median(times)
-            row = {"format": fmt, "runtime": choice.runtime, "device": choice.device, "batch": batch,
-                   "step_ms": 1000 * median, "step_ms_p10": 1000 * sorted(times)[len(times) // 10],
-                   "weight_bytes_read": read, "read_limit_ms": 1000 * limit, "vs_limit": median / limit,
-                   "threads": getattr(runtime, "threads", torch.get_num_threads())}
-            rows.append(row)
-            print(f"{fmt:>9} {choice.runtime:>12} b={batch:<3} {row['step_ms']:7.1f} ms/step "
-                  f"(limit {row['read_limit_ms']:.1f} ms, {row['vs_limit']:.2f}x)", flush=True)
-        del runtime, opened
+        for threads in args.threads or [None]:
+            if threads:
+                torch.set_num_threads(threads)
+            opened = open_drafter(drafter, choice, max_len=CONTEXT + 8, max_requests=max(args.batches),
+                                  kv_budget_bytes=1 << 31, threads=threads)
+            runtime = opened.runtime
+            runtime.set_output_rows(head_rows(opened.vocab_size))
+            read = weight_bytes_read(runtime, fmt)
+            limit = read / bandwidth
+            for batch in args.batches:
+                times = step_times(runtime, batch, args.steps, args.device)
+                median = statistics.median(times)
+                row = {"format": fmt, "runtime": choice.runtime, "device": choice.device, "batch": batch,
+                       "step_ms": 1000 * median, "step_ms_p10": 1000 * sorted(times)[len(times) // 10],
+                       "weight_bytes_read": read, "read_limit_ms": 1000 * limit, "vs_limit": median / limit,
+                       "threads": getattr(runtime, "threads", torch.get_num_threads())}
+                rows.append(row)
+                print(f"{fmt:>9} {choice.runtime:>12} t={row['threads']} b={batch:<3} {row['step_ms']:7.1f} ms/step "
+                      f"(limit {row['read_limit_ms']:.1f} ms, {row['vs_limit']:.2f}x)", flush=True)
+            del runtime, opened
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "drafter": drafter,
               "device": args.device, "bandwidth_gb_s": bandwidth / 1e9, "context": CONTEXT,
-              "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "rows": rows}
+              "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+              "ld_preload": os.environ.get("LD_PRELOAD", ""), "rows": rows}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

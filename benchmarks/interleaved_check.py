@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -120,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python benchmarks/interleaved_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "usd": json.loads(args.usd), "rounds": args.rounds,
               "max_tokens": args.max_tokens, "rows": rows, "proposer_counters": counters,
-              **costs, "warmup_rounds": args.warmup_rounds}
+              **costs, "warmup_rounds": args.warmup_rounds,
+              # what the command line does not show but changes every engine's speed
+              "environment": {k: v for k, v in sorted(os.environ.items())
+                              if k.startswith(("VLLM_CPU_", "OMP_")) or k == "LD_PRELOAD"}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     others = [name for name in systems if name != "plain"]

@@ -89,8 +89,13 @@ class OpenedDrafter:
 
 
 def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests: int, kv_budget_bytes: int,
-                 revision: str | None = None, trust_remote_code: bool = False) -> OpenedDrafter:
-    """Load the drafter as ``choice`` says and wrap it in its runtime."""
+                 revision: str | None = None, trust_remote_code: bool = False,
+                 threads: int | None = None) -> OpenedDrafter:
+    """Load the drafter as ``choice`` says and wrap it in its runtime.
+
+    ``threads``: llama.cpp's thread count (default: every CPU this process may run on); the
+    transformers runtime uses torch's threads, which vLLM's worker sets.
+    """
     config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if choice.runtime == "llama_cpp":
@@ -99,7 +104,7 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
         vocab_size = int(text_config.vocab_size)
         runtime: DrafterRuntime = LlamaCppDrafterRuntime(
             choice.gguf, vocab_size=vocab_size, kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT),
-            max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes)
+            max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes, threads=threads)
         return OpenedDrafter(runtime, tokenizer, vocab_size, choice)
     from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
 
