@@ -79,7 +79,7 @@ def test_demo_on_the_tiny_pair(pair):
 @pytest.mark.engine
 def test_demo_says_when_the_policy_drafted_nothing(pair):
     """With the policy on, a run may draft nothing at all: on the tiny pair at batch 8 no length pays,
-    and whether the batch-1 warm-up probes depends on vLLM's random request-id suffixes (stop 21's CI
+    and whether the batch-1 warm-up probes depends on vLLM's random request-id suffixes (the last CI run
     crashed there). A drafter priced at 100 target steps makes that certain; the demo must say so."""
     res = _run([sys.executable, "examples/demo.py", "--target", pair[0], "--drafter", pair[1], "--max-tokens", "4",
                 "--usd", '{"draft_cost": 100}'])
