@@ -19,6 +19,7 @@ import torch
 
 from vllm_usd.drafter.attention import BATCH_KWARG, SlotBatch
 from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafter.decode_graphs import Capture, DecodeGraphs
 
 # Requests with more new tokens than this in one step (a prompt) are run in
 # their own forward, so they do not pad everyone else's batch.
@@ -53,7 +54,10 @@ class _SlotCacheView:
 class HFDrafterRuntime(DrafterRuntime):
     """A transformers causal LM with a private slot KV cache."""
 
-    def __init__(self, model, *, max_len: int, max_requests: int, kv_budget_bytes: int) -> None:
+    def __init__(self, model, *, max_len: int, max_requests: int, kv_budget_bytes: int,
+                 capture: Capture | None = None) -> None:
+        """``capture``: how to capture the one-token decode step (``decode_graphs.capture_cuda_graph`` on a
+        GPU); None runs every step eagerly."""
         self.model = model
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self._num_layers = cfg.num_hidden_layers
@@ -82,6 +86,8 @@ class HFDrafterRuntime(DrafterRuntime):
         self._tokens: dict[str, list[int]] = {}
         # ids appended by forward_next and not yet copied to the host: (ids [B] on device, [(req_id, index)])
         self._unsettled: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
+        self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, capture=capture) \
+            if capture is not None else None
 
     # -- capacity -----------------------------------------------------------------
     @property
@@ -228,7 +234,6 @@ class HFDrafterRuntime(DrafterRuntime):
         """One batched forward; the new ids are ``host_tokens`` (lists) or ``device_tokens`` ([B], one each)."""
         slots = [self._slot_of[r] for r in req_ids]
         lo, hi = min(slots), max(slots) + 1
-        rows_n = hi - lo
         t_max = max(num_new)
         # Rows of the slot range that are not in this call keep their length and
         # compute one throw-away query at their next free position.
@@ -240,21 +245,9 @@ class HFDrafterRuntime(DrafterRuntime):
         if not self._grow(self._slot_cap, max(st + t_max for st in starts)):
             raise MemoryError("drafter KV budget exhausted")
 
-        dev = self.device
-        key_len = max(starts) + t_max
-        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
-        if device_tokens is None:
-            tokens = torch.zeros(rows_n, t_max, dtype=torch.long)
-            for s, new in zip(slots, host_tokens):
-                tokens[s - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
-            tokens = tokens.to(dev, non_blocking=True)
-        else:  # [B] on the device, one per request: scattered into its row, not read on the host here
-            tokens = torch.zeros(rows_n, 1, dtype=torch.long, device=dev)
-            tokens[sel_rows, 0] = device_tokens.to(dev)
-        pos = torch.tensor(starts, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t_max, device=dev)  # [R, T]
-        # the last new token of each requested row
-        sel_cols = torch.tensor([n - 1 for n in num_new], dtype=torch.long, device=dev)
-        logits = self._step(tokens, pos, sel_rows, sel_cols, lo, hi, key_len)
+        logits = self._replay_decode(slots, keep, device_tokens) if device_tokens is not None else None
+        if logits is None:
+            logits = self._eager(slots, lo, hi, starts, num_new, host_tokens, device_tokens)
 
         if device_tokens is None:
             for r, k, new in zip(req_ids, keep, host_tokens):
@@ -270,3 +263,46 @@ class HFDrafterRuntime(DrafterRuntime):
                 toks.append(-1)
             self._unsettled.append((device_tokens.reshape(-1), where))
         return logits
+
+    def _eager(self, slots: list[int], lo: int, hi: int, starts: list[int], num_new: Sequence[int],
+               host_tokens: Sequence[Sequence[int]] | None, device_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The step on exactly the slot range and key length the call needs."""
+        rows_n, t_max = hi - lo, max(num_new)
+        dev = self.device
+        key_len = max(starts) + t_max
+        sel_rows = torch.tensor([s - lo for s in slots], dtype=torch.long, device=dev)
+        if device_tokens is None:
+            tokens = torch.zeros(rows_n, t_max, dtype=torch.long)
+            for s, new in zip(slots, host_tokens):
+                tokens[s - lo, : len(new)] = torch.tensor(new, dtype=torch.long)
+            tokens = tokens.to(dev, non_blocking=True)
+        else:  # [B] on the device, one per request: scattered into its row, not read on the host here
+            tokens = torch.zeros(rows_n, 1, dtype=torch.long, device=dev)
+            tokens[sel_rows, 0] = device_tokens.to(dev)
+        pos = torch.tensor(starts, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t_max, device=dev)  # [R, T]
+        # the last new token of each requested row
+        sel_cols = torch.tensor([n - 1 for n in num_new], dtype=torch.long, device=dev)
+        return self._step(tokens, pos, sel_rows, sel_cols, lo, hi, key_len)
+
+    def _replay_decode(self, slots: list[int], keep: Sequence[int], device_tokens: torch.Tensor) -> torch.Tensor | None:
+        """One token for each of ``slots`` through the captured fixed-shape step; None where it does not
+        apply (no bucket holds the batch, or a row would outgrow the KV) and the eager step runs instead."""
+        if self.graphs is None:
+            return None
+        n = len(self._req_at)
+        bucket = self.graphs.bucket(n)
+        if bucket is None or bucket > self._slot_cap:
+            return None
+        # every slot row of the bucket runs: the idle ones at their next free position, the unused at 0
+        starts = [len(self._tokens[r]) for r in self._req_at] + [0] * (bucket - n)
+        for s, k in zip(slots, keep):
+            starts[s] = k
+        if max(starts) + 1 > self.max_len or not self._grow(self._slot_cap, max(starts) + 1):
+            return None
+        dev = self.device
+        sel = torch.tensor(slots, dtype=torch.long, device=dev)
+        tokens = torch.zeros(bucket, 1, dtype=torch.long, device=dev)
+        tokens[sel, 0] = device_tokens.to(dev)
+        pos = torch.tensor(starts, dtype=torch.long, device=dev).unsqueeze(1)  # [bucket, 1]
+        out = self.graphs.run(self._k, bucket, self._len_cap, tokens, pos)  # [bucket, V]
+        return out[sel] if out is not None else None

@@ -90,11 +90,13 @@ class OpenedDrafter:
 
 def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests: int, kv_budget_bytes: int,
                  revision: str | None = None, trust_remote_code: bool = False,
-                 threads: int | None = None) -> OpenedDrafter:
+                 threads: int | None = None, cuda_graphs: bool = False) -> OpenedDrafter:
     """Load the drafter as ``choice`` says and wrap it in its runtime.
 
     ``threads``: llama.cpp's thread count (default: every CPU this process may run on); the
     transformers runtime uses torch's threads, which vLLM's worker sets.
+    ``cuda_graphs``: on a CUDA device, replay the transformers drafter's one-token decode step
+    from CUDA graphs captured per batch bucket (``decode_graphs.py``); elsewhere it has no effect.
     """
     config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -110,5 +112,9 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
 
     model = load_drafter_model(path, config, dtype=choice.dtype, revision=revision,
                                trust_remote_code=trust_remote_code, device=choice.device)
-    runtime = HFDrafterRuntime(model, max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes)
+    capture = None
+    if cuda_graphs and torch.device(choice.device).type == "cuda":
+        from vllm_usd.drafter.decode_graphs import capture_cuda_graph as capture
+    runtime = HFDrafterRuntime(model, max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes,
+                               capture=capture)
     return OpenedDrafter(runtime, tokenizer, int(model.get_output_embeddings().weight.shape[0]), choice)

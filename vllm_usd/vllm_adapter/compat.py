@@ -62,6 +62,11 @@ def worker_device(vllm_config) -> str:
     return kind if kind in ("cpu", "cuda") else "cpu"
 
 
+def enforce_eager(vllm_config) -> bool:
+    """vLLM's ``enforce_eager``: no CUDA graphs for the target, and then none for the drafter either."""
+    return bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True))
+
+
 def target_max_model_len(vllm_config) -> int | None:
     value = getattr(vllm_config.model_config, "max_model_len", None)
     return int(value) if value else None

@@ -61,6 +61,7 @@ class UniversalProposer:
             max_requests=cfg.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
             kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
             revision=cfg.drafter_revision, trust_remote_code=trust,
+            cuda_graphs=not compat.enforce_eager(vllm_config),
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
         target_tokenizer = compat.load_target_tokenizer(vllm_config)

@@ -1,0 +1,104 @@
+"""The fixed-shape decode step that CUDA graphs capture, checked on the CPU. No vLLM.
+
+A graph replays the step on the bucket's slot rows and the whole allocated KV
+length. These tests run that fixed-shape step through ``replay_eagerly`` (the
+same shapes and static buffers, no graph) and compare it with a plain
+transformers forward: idle rows, rolled-back rows, bucket reuse, KV growth and a
+failed capture. The graph capture itself needs a GPU (``scripts/gpu_check.py``,
+check ``graph_replay``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.test_drafter_runtime import _gemma3, _llama, _reference_logits, _save
+from vllm_usd.drafter import HFDrafterRuntime
+from vllm_usd.drafter.decode_graphs import DecodeGraphs, replay_eagerly
+
+
+def _runtime(folder: str, capture, **kw) -> HFDrafterRuntime:
+    from transformers import AutoModelForCausalLM
+
+    from vllm_usd.drafter.attention import ATTN_NAME, register_attention
+
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=ATTN_NAME).eval()
+    return HFDrafterRuntime(model, max_len=kw.get("max_len", 512), max_requests=kw.get("max_requests", 8),
+                            kv_budget_bytes=1 << 30, capture=capture)
+
+
+def _compiled_replay(step, inputs, pool):
+    """replay_eagerly on the step compiled with fullgraph=True: fails on any graph break in the fixed-shape step."""
+    return replay_eagerly(torch.compile(step, fullgraph=True, backend="eager"), inputs, pool)
+
+
+def test_buckets_cover_every_batch_up_to_the_cap():
+    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=20, capture=replay_eagerly)
+    assert graphs.buckets == (1, 2, 4, 8, 16, 20)
+    assert [graphs.bucket(n) for n in (1, 3, 5, 16, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+    assert DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=1000).buckets[-1] == 256
+
+
+@pytest.mark.parametrize("make", [_llama, _gemma3], ids=["llama", "gemma3-sliding"])
+def test_the_fixed_shape_step_gives_the_reference_logits(make):
+    ref = make()
+    rt = _runtime(_save(ref), _compiled_replay)
+    seqs = {"a": list(range(20, 41)), "b": list(range(100, 106)), "c": list(range(7, 19))}
+    for r in seqs:
+        rt.add(r)
+    rt.forward(list(seqs), [0] * 3, list(seqs.values()))
+    # a and c draft (b idle between them), then a's draft is rejected and both draft again
+    got = rt.forward_next(["a", "c"], [len(seqs["a"]), len(seqs["c"])], torch.tensor([7, 8]))
+    assert torch.allclose(got[0], _reference_logits(ref, seqs["a"] + [7])[-1], atol=1e-4)
+    assert torch.allclose(got[1], _reference_logits(ref, seqs["c"] + [8])[-1], atol=1e-4)
+    assert rt.graphs.captures == 1  # three slots: bucket 4
+    got = rt.forward_next(["c", "a"], [len(seqs["c"]) + 1, len(seqs["a"])], torch.tensor([9, 10]))
+    assert torch.allclose(got[0], _reference_logits(ref, seqs["c"] + [8, 9])[-1], atol=1e-4)
+    assert torch.allclose(got[1], _reference_logits(ref, seqs["a"] + [10])[-1], atol=1e-4)
+    assert rt.graphs.captures == 1, "the same bucket and KV length should replay, not capture again"
+    # b, idle through both replays, is still exact
+    out = rt.forward(["b"], [len(seqs["b"])], [[11]])
+    assert torch.allclose(out[0], _reference_logits(ref, seqs["b"] + [11])[-1], atol=1e-4)
+    assert rt.cached_tokens("a") == seqs["a"] + [10] and rt.cached_tokens("c") == seqs["c"] + [8, 9]
+
+
+def test_kv_growth_and_a_larger_batch_capture_again():
+    ref = _llama()
+    rt = _runtime(_save(ref), replay_eagerly)
+    long = list(range(1, 256))  # the KV is allocated 256 long at first
+    rt.add("x")
+    rt.forward(["x"], [0], [long])
+    rt.forward_next(["x"], [len(long)], torch.tensor([5]))
+    assert rt.graphs.captures == 1 and rt.kv_bytes > 0
+    got = rt.forward_next(["x"], [len(long) + 1], torch.tensor([6]))  # position 256: the KV grows
+    assert rt.graphs.captures == 2
+    assert torch.allclose(got[0], _reference_logits(ref, long + [5, 6])[-1], atol=1e-4)
+    for r in ("y", "z"):
+        rt.add(r)
+    rt.forward(["y", "z"], [0, 0], [[3, 4, 5], [6, 7]])
+    got = rt.forward_next(["x", "z"], [len(long) + 2, 2], torch.tensor([8, 9]))
+    assert rt.graphs.captures == 3  # three requests: bucket 4
+    assert torch.allclose(got[0], _reference_logits(ref, long + [5, 6, 8])[-1], atol=1e-4)
+    assert torch.allclose(got[1], _reference_logits(ref, [6, 7, 9])[-1], atol=1e-4)
+
+
+def test_a_failed_capture_drafts_eagerly_from_then_on(caplog):
+    ref = _llama()
+
+    def broken(step, inputs, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    rt = _runtime(_save(ref), broken)
+    rt.add("a")
+    rt.forward(["a"], [0], [[1, 2, 3, 4]])
+    with caplog.at_level(logging.WARNING, logger="vllm.usd"):
+        got = rt.forward_next(["a"], [4], torch.tensor([5]))
+        again = rt.forward_next(["a"], [5], torch.tensor([6]))
+    assert rt.graphs.failed
+    assert sum("runs eagerly from now on" in r.getMessage() for r in caplog.records) == 1
+    assert torch.allclose(got[0], _reference_logits(ref, [1, 2, 3, 4, 5])[-1], atol=1e-4)
+    assert torch.allclose(again[0], _reference_logits(ref, [1, 2, 3, 4, 5, 6])[-1], atol=1e-4)

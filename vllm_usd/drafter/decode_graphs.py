@@ -1,0 +1,135 @@
+"""Captured one-token decode steps of the transformers drafter, one per batch bucket.
+
+A CUDA graph replays fixed kernels on fixed buffers, so the captured step has
+fixed shapes: the slot rows ``0..bucket-1`` (the active requests' slots, padded
+up to the bucket) and the whole allocated KV length (``len_cap``), with the
+causal mask hiding what is past each row's position. Rows that are not in a
+call compute one throw-away query at their next free position, as the eager
+step does for rows inside its slot range; the KV they write there is
+overwritten before it is ever attended to.
+
+A capture is keyed by ``(bucket, len_cap)`` and dropped when the KV buffers are
+reallocated (``HFDrafterRuntime._grow``), since the graph holds their
+addresses. Capturing runs the step on the real inputs of the call that needs
+it: the warm-up runs and the capture write the same KV the call would write,
+so nothing is left that the call does not also produce.
+
+Lossless whatever the captured logits are: q is built from the logits the
+drafts were sampled from. Every tensor-parallel rank sees the same batch sizes
+and lengths, so every rank picks the same bucket and the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("vllm.usd")
+
+#: batch buckets, as vLLM captures its own decode graphs: small ones dense, then every 8
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8) + tuple(range(16, 257, 8))
+
+# (step, static inputs, graph memory pool) -> (replay, static output)
+Capture = Callable[[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], object],
+                   tuple[Callable[[], None], torch.Tensor]]
+
+
+def capture_cuda_graph(step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                       pool: object) -> tuple[Callable[[], None], torch.Tensor]:
+    """Warm the step up on a side stream, then capture it into one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # lazy initialisation (cuBLAS handles, workspaces) stays out of the graph
+            step(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step(*inputs)
+    return graph.replay, out
+
+
+def replay_eagerly(step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                   pool: object) -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for a graph on devices without one: the same fixed shapes, run eagerly on every replay
+    (what the CPU tests use to check the padded step against the exact one)."""
+    out = step(*inputs)
+
+    def replay() -> None:
+        out.copy_(step(*inputs))
+
+    return replay, out
+
+
+class DecodeGraphs:
+    """Fixed-shape decode steps, captured lazily per ``(bucket, len_cap)`` and replayed after."""
+
+    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, *, max_rows: int,
+                 capture: Capture = capture_cuda_graph) -> None:
+        # step(tokens [R, 1], pos [R, 1], sel_rows [R], sel_cols [R], lo, hi, key_len) -> [R, V] float32
+        self._step = step
+        self._device = device
+        self._capture = capture
+        # past the largest bucket the step runs eagerly
+        self.buckets = tuple(b for b in BUCKETS if b < max_rows) + ((max_rows,) if max_rows <= BUCKETS[-1] else ())
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self._captured: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._buffers: object = None  # identity of the KV buffers the captures point at
+        self.failed = False
+        self.captures = 0
+
+    def bucket(self, rows: int) -> int | None:
+        """The smallest bucket that holds ``rows`` slot rows; None past the largest."""
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        return None
+
+    def run(self, buffers: object, bucket: int, len_cap: int, tokens: torch.Tensor,
+            pos: torch.Tensor) -> torch.Tensor | None:
+        """Logits of slot rows ``0..bucket-1`` ([bucket, V], valid until the next call), or None when
+        capture failed (the caller then runs the eager step, now and from then on).
+
+        tokens, pos: [bucket, 1] on the device.
+        """
+        if self.failed:
+            return None
+        if buffers is not self._buffers:  # reallocated KV: every capture points at freed memory
+            self._captured.clear()
+            self._buffers = buffers
+        entry = self._captured.get((bucket, len_cap))
+        if entry is None:
+            entry = self._capture_bucket(bucket, len_cap, tokens, pos)
+            if entry is None:
+                return None
+            replay, out, _, _ = entry
+            replay()  # the capture recorded kernels; with a real graph nothing has run on these inputs yet
+            return out
+        replay, out, static_tokens, static_pos = entry
+        static_tokens.copy_(tokens)
+        static_pos.copy_(pos)
+        replay()
+        return out
+
+    def _capture_bucket(self, bucket: int, len_cap: int, tokens: torch.Tensor, pos: torch.Tensor):
+        static_tokens, static_pos = tokens.clone(), pos.clone()
+        rows = torch.arange(bucket, device=self._device)
+        cols = torch.zeros(bucket, dtype=torch.long, device=self._device)
+
+        def fixed_step(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            return self._step(t, p, rows, cols, 0, bucket, len_cap)
+
+        try:
+            replay, out = self._capture(fixed_step, (static_tokens, static_pos), self._pool)
+        except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
+            self.failed = True
+            self._captured.clear()
+            logger.warning("vllm-usd: capturing the drafter's decode step failed (%s: %s); it runs eagerly from "
+                           "now on. Start vLLM with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)
+            return None
+        self.captures += 1
+        entry = (replay, out, static_tokens, static_pos)
+        self._captured[(bucket, len_cap)] = entry
+        return entry
