@@ -50,7 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         proposed.append(int(out_ids.shape[-1] - input_ids.shape[-1]))
         return out_ids, logits
 
+    matches: list[int] = []
+    original_update = cg.AssistedCandidateGeneratorDifferentTokenizers.update_candidate_strategy
+
+    def recording(self, input_ids, scores, num_matches):
+        matches.append(int(num_matches))
+        return original_update(self, input_ids, scores, num_matches)
+
     cg.AssistedCandidateGeneratorDifferentTokenizers.get_candidates = counting
+    cg.AssistedCandidateGeneratorDifferentTokenizers.update_candidate_strategy = recording
     forwards = {"n": 0}
     target.register_forward_hook(lambda *a: forwards.__setitem__("n", forwards["n"] + 1))
     result = {"pair": args.pair, "prompts": args.prompts, "tokens": args.tokens, "by_k": {}}
@@ -59,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter.generation_config.num_assistant_tokens_schedule = "constant"
         drafter.generation_config.assistant_confidence_threshold = 0.0
         proposed.clear()
+        matches.clear()
         produced = calls = 0
         for prompt in prompts:
             enc = t_tok(prompt, return_tensors="pt")
@@ -71,8 +80,21 @@ def main(argv: list[str] | None = None) -> int:
             produced += out.shape[1] - enc.input_ids.shape[1]
             calls += forwards["n"]
         result["by_k"][k] = {"target_tokens_proposed_per_step": statistics.fmean(proposed) if proposed else 0.0,
-                             "steps": len(proposed), "tokens_per_target_forward": produced / max(calls, 1)}
+                             "steps": len(proposed), "tokens_per_target_forward": produced / max(calls, 1),
+                             # [proposed target tokens, of them accepted] -> steps; a step's
+                             # proposals past k are what a k-capped proposer cannot offer
+                             "proposed_accepted_steps": _pairs(proposed, matches),
+                             "accepted_past_k": sum(max(0, m - k) for m in matches),
+                             "accepted": sum(matches)}
     return emit(result, args.out)
+
+
+def _pairs(proposed: list[int], matches: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p, m in zip(proposed, matches):
+        key = f"{p},{m}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 if __name__ == "__main__":
