@@ -275,3 +275,25 @@ def test_string_rows_leave_room_for_their_budget_in_the_drafters_context():
     drafts = _runner().step(p, {})
     assert p.counters.get("failed_steps", 0) == 0, dict(p.counters)
     assert drafts["g1"] == [] and p.counters["skipped_context_full"] >= 1
+
+
+def test_text_rows_read_their_text_as_the_drafter_cuts_it_and_tli_rows_the_shared_tokens():
+    """auto mode: a greedy (string) row's drafter context is its text re-encoded by the drafter's tokenizer
+    (ContextTranslator by_text); a sampled (TLI) row's maps shared tokens 1:1. The prompt is one on which
+    the two translations differ, so the check can tell them apart."""
+    p = _proposer()
+    texts = [" the keeper said:\n\n    it was", "  two  spaces,\tand tabs\n\n\n", " it was the keeper's", " the keeper"]
+
+    def translated(ids, by_text):
+        tr = p.pair.translator(by_text=by_text)
+        tr.start(ids)
+        return tr.draft_ids
+
+    prompt = next((ids for ids in map(_prompt, texts) if translated(ids, True) != translated(ids, False)), None)
+    assert prompt is not None, "no prompt tells the two translations apart"
+    runner = FakeRunner()
+    runner.add("g", prompt, sampling(0.0))
+    runner.add("s", prompt, sampling(0.8))
+    runner.step(p, {})
+    assert p.requests.get("g").translator.draft_ids == translated(prompt, True)
+    assert p.requests.get("s").translator.draft_ids == translated(prompt, False)

@@ -49,7 +49,8 @@ class UsdConfig:
                            the README for why it is opt-in).
     probe_interval:        a request left without drafts gets one draft every this many of its steps,
                            where drafting could pay at all (default 8).
-    draft_mode:            "auto" (default): string-level drafting for greedy requests, intersection
+    draft_mode:            "auto" (default): string-level drafting for greedy requests (their drafter context
+                           is their text as the drafter's tokenizer cuts it), intersection
                            drafting with q (TLI) for sampled ones; "tli": TLI for all; "string": string-level
                            drafting for all (sampled requests then verify point masses: lossless, fewer accepted).
     string_draft_tokens:   drafter tokens per request and step in string-level drafting; null: 2k+1.

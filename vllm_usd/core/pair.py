@@ -47,6 +47,6 @@ class DraftPair:
                          draft_vocab_size=int(drafter_model.get_output_embeddings().weight.shape[0]),
                          min_share=min_share)
 
-    def translator(self) -> ContextTranslator:
-        """A fresh per-request context translator."""
-        return ContextTranslator(self.mapping, self.encoder, self.draft_bos)
+    def translator(self, by_text: bool = False) -> ContextTranslator:
+        """A fresh per-request context translator (``by_text``: all text re-encoded, see translate.py)."""
+        return ContextTranslator(self.mapping, self.encoder, self.draft_bos, by_text=by_text)

@@ -4,6 +4,12 @@ Shared target tokens reach the drafter through the 1:1 map. Runs of
 non-shared target tokens are turned back into bytes and re-encoded with the
 drafter's own tokenizer, over a bounded trailing window, so the drafter never
 sees UNK and its text stays byte-identical to the target's.
+
+With ``by_text`` every target token with bytes goes through the re-encoded
+run, shared or not: the drafter reads the text cut as its own tokenizer cuts
+it (what transformers' universal assisted generation gives its assistant).
+String-level drafting uses it: a drafter that writes text continues its own
+segmentation better (README, target 5).
 """
 
 from __future__ import annotations
@@ -111,7 +117,8 @@ class ContextTranslator:
     """One request's drafter context, fed with the target's accepted tokens.
 
     ``feed`` returns ``(rollback, append)``: drop the last ``rollback`` drafter
-    tokens, then append ``append``. Shared tokens cost one table lookup.
+    tokens, then append ``append``. Shared tokens cost one table lookup
+    (with ``by_text``, only tokens without bytes do: specials shared by role).
     Non-shared tokens open a *run* of text that is re-encoded as a whole each
     time it grows (it may change the run's last drafter tokens); the run is
     closed by the next shared token, and trimmed to ``window`` bytes so the
@@ -124,6 +131,7 @@ class ContextTranslator:
         encoder: FragmentEncoder,
         draft_bos_id: int | None = None,
         window: int = 64,
+        by_text: bool = False,
     ) -> None:
         self._t2d: list[int] = mapping.target_to_draft.tolist()
         self._t_bytes = mapping.target_table.token_bytes
@@ -131,6 +139,7 @@ class ContextTranslator:
         self._encoder = encoder
         self._bos = draft_bos_id
         self._window = window
+        self._by_text = by_text
         self.draft_ids: list[int] = []
         self.num_target_tokens = 0
         self._run_start: int | None = None  # drafter index where the open run begins
@@ -162,12 +171,12 @@ class ContextTranslator:
         for tid in target_ids:
             self.num_target_tokens += 1
             did = self._t2d_at(tid)
-            if did >= 0:
+            data = self._t_bytes_at(tid)
+            if did >= 0 and not (self._by_text and data):
                 if self._run_start is not None:
                     self._encode_run(final=True)
                 self.draft_ids.append(did)
                 continue
-            data = self._t_bytes_at(tid)
             if not data:  # a special token the drafter has no role for: invisible
                 continue
             if self._run_start is None:

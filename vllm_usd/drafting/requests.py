@@ -72,8 +72,12 @@ class DraftRows:
 class RequestTable:
     """The drafting state of every live request, and the rules for which get drafts this step."""
 
-    def __init__(self, pair: DraftPair, runtime: DrafterRuntime, *, k: int, always_greedy: bool, seed: int) -> None:
+    def __init__(self, pair: DraftPair, runtime: DrafterRuntime, *, k: int, always_greedy: bool, seed: int,
+                 drafts_text: Callable[[float], bool] | None = None) -> None:
+        """``drafts_text(temperature)``: the request drafts text (string-level), so its drafter context is
+        its text as the drafter's tokenizer cuts it (``ContextTranslator`` ``by_text``)."""
         self._pair = pair
+        self._drafts_text = drafts_text
         self._runtime = runtime
         self._k = k
         self._always_greedy = always_greedy
@@ -117,7 +121,8 @@ class RequestTable:
         # Never a global or rank-local RNG: every rank must draw the same drafts and q.
         key = mix_seed(int(seed), self._seed) if seed is not None else text_key(req_id)
         state = RequestState(
-            translator=self._pair.translator(),
+            translator=self._pair.translator(
+                by_text=self._drafts_text is not None and self._drafts_text(sampling.temperature)),
             greedy=sampling.temperature < SAMPLING_EPS or self._always_greedy,
             temperature=sampling.temperature, top_k=max(sampling.top_k, 0), top_p=sampling.top_p,
             key=key, seeded=seed is not None, last_token=sampling.last_token,
