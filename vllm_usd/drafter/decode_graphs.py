@@ -46,7 +46,9 @@ def capture_cuda_graph(step: Callable[..., torch.Tensor], inputs: tuple[torch.Te
             step(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: only this thread is barred from unsafe calls while it captures, so vLLM's own threads
+    # (output copies, say) keep working; the capture happens mid-serving, not at start-up
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = step(*inputs)
     return graph.replay, out
 
