@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fix-cpu-sampler", action="store_true",
                         help="install vllm-usd's fix of vLLM's CPU rejection-sampler bug in every engine, "
                              "vLLM's native drafter included (vllm-usd installs it for itself anyway)")
+    parser.add_argument("--usd", type=json.loads, default={}, metavar="JSON",
+                        help='extra usd settings for every vllm-usd system, e.g. \'{"drafter_runtime": "transformers"}\'')
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                      temperatures=tuple(args.temperatures), batch_sizes=tuple(args.batch_sizes),
                      repeats=args.repeats, max_tokens=args.max_tokens, min_prompts=args.min_prompts,
                      hf_prompts=args.hf_prompts, prompts=prompts,
-                     fix_cpu_sampler=args.fix_cpu_sampler)
+                     fix_cpu_sampler=args.fix_cpu_sampler, usd_settings=args.usd)
     out = args.out or Path(__file__).parent / "results" / f"{dt.date.today().isoformat()}-{socket.gethostname()}.json"
 
     def checkpoint(partial: dict) -> None:  # a killed run keeps what it measured

@@ -212,3 +212,16 @@ def test_settings_are_counted_as_the_runner_reports_them():
                        temperatures=(0.0, 0.8), batch_sizes=(1, 8))
     # per pair: plain 2 T x 2 b; usd_greedy 2 k x 2 T x 2 b; usd_sampled 2 k x 1 T x 2 b; hf_assisted 2 k x 2 T
     assert plan.count_settings(p) == 2 * (4 + 8 + 4 + 4)
+
+
+def test_extra_usd_settings_reach_every_vllm_usd_system_and_no_other():
+    extra = {"drafter_runtime": "transformers", "drafter_dtype": "float32"}
+    for system in ("usd_greedy", "usd_sampled", "usd_string", "usd_adaptive"):
+        usd = vllm_systems.engine_args(system, "drafter-dir", 2, extra)["additional_config"]["usd"]
+        assert usd["drafter_runtime"] == "transformers" and usd["drafter_dtype"] == "float32", system
+    # the system's own choices stay unless the extra settings name them
+    assert vllm_systems.engine_args("usd_string", "d", 2, extra)["additional_config"]["usd"]["draft_mode"] == "string"
+    forced = vllm_systems.engine_args("usd_string", "d", 2, {"draft_mode": "tli"})["additional_config"]["usd"]
+    assert forced["draft_mode"] == "tli"
+    assert vllm_systems.engine_args("plain", "d", 2, extra) == {}
+    assert "additional_config" not in vllm_systems.engine_args("native", "d", 2, extra)

@@ -38,6 +38,8 @@ class BenchPlan:
     # install vllm-usd's fix of vLLM's CPU rejection-sampler bug (docs/cpu-expand-bug.md) in every engine,
     # vLLM's native drafter included; vllm-usd's own engines install it either way
     fix_cpu_sampler: bool = False
+    # extra additional_config["usd"] settings for every vllm-usd system (drafter_runtime, drafter_dtype, ...)
+    usd_settings: dict[str, Any] = field(default_factory=dict)
     prompts: list[dict[str, str]] = field(default_factory=list)  # {"group", "text"}
 
 

@@ -98,7 +98,7 @@ def run_plan(plan: BenchPlan, *, command: str, on_event: EventSink | None = None
             report(f"{pair.name}: starting {system}" + (f" k={k}" if k else ""))
             try:
                 with PeakMemory() as mem, engine(pair.target, max(plan.batch_sizes),
-                                                  engine_args(system, pair.drafter, k or 0)) as llm:
+                                                  engine_args(system, pair.drafter, k or 0, plan.usd_settings)) as llm:
                     for temperature in temps:
                         for batch in plan.batch_sizes:
                             emit(BenchEvent("setting", f"{pair.name}: {system} k={k} T={temperature} batch={batch}"))

@@ -19,7 +19,8 @@ from vllm_usd.bench.plan import ENGINE_SETTINGS
 from vllm_usd.vllm_adapter.compat import shutdown_engine
 
 
-def engine_args(system: str, drafter: str, k: int) -> dict[str, Any]:
+def engine_args(system: str, drafter: str, k: int, usd_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's engine arguments for one system; ``usd_settings`` go over the vllm-usd systems' own."""
     from vllm_usd.config import speculative_args
 
     if system == "plain":
@@ -29,8 +30,9 @@ def engine_args(system: str, drafter: str, k: int) -> dict[str, Any]:
                                        "use_heterogeneous_vocab": True}}
     sampling = "greedy" if system == "usd_greedy" else "auto"
     mode = {"usd_string": "string", "usd_adaptive": "auto"}.get(system, "tli")  # usd_adaptive: the defaults
-    return speculative_args(drafter=drafter, k=k, draft_sampling=sampling, draft_mode=mode, profile=True,
-                            adaptive_length=system == "usd_adaptive")
+    settings = {"draft_sampling": sampling, "draft_mode": mode, "profile": True,
+                "adaptive_length": system == "usd_adaptive", **(usd_settings or {})}
+    return speculative_args(drafter=drafter, k=k, **settings)
 
 
 class EngineStartError(RuntimeError):
