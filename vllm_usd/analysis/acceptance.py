@@ -7,7 +7,7 @@ the drafter's translation of the same prefix) are computed with transformers.
 - Greedy: a draft is accepted while it equals the target's argmax. Engine steps
   are simulated on the text as vLLM runs them (accept a run of matches up to
   k, then one target token), which gives the acceptance length per k.
-- Sampling (temperature 1): a draft is accepted with probability
+- Sampling (temperature 1, or ``temperature``: p and q both scaled): a draft is accepted with probability
   alpha = sum_x min(p(x), q(x)) at each position; the expected tokens per step
   are 1 + sum_{j=1..k} prod_{m<j} alpha_{i+m}, averaged over start positions.
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_usd.core.pair import DraftPair
+from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
 
 
@@ -70,13 +71,17 @@ def _expected_sampled(alpha: list[float], k: int) -> float:
 def estimate_acceptance(
     target_model, target_tokenizer, drafter_model, drafter_tokenizer,
     sequences: list[list[int]], score_from: list[int] | None = None, ks: range = range(1, 9),
+    runtime: DrafterRuntime | None = None, temperature: float = 1.0,
 ) -> AcceptanceEstimate:
     """``sequences``: target token ids (prompt + text). Positions before
     ``score_from[i]`` give context only. Both models are transformers causal
-    LMs; the drafter must have been loaded with ``load_drafter``."""
+    LMs; the drafter must have been loaded with ``load_drafter``. ``runtime``: draft
+    with this runtime instead (another weight format of the same drafter, llama.cpp on its GGUF);
+    ``drafter_model`` then only gives the drafter's vocabulary size."""
     pair = DraftPair.for_models(target_model, target_tokenizer, drafter_model, drafter_tokenizer)
     mapping = pair.mapping
-    runtime = HFDrafterRuntime(drafter_model, max_len=1 << 20, max_requests=1, kv_budget_bytes=1 << 34)
+    if runtime is None:
+        runtime = HFDrafterRuntime(drafter_model, max_len=1 << 20, max_requests=1, kv_budget_bytes=1 << 34)
     runtime.set_output_rows(mapping.draft_ids)
 
     match: list[bool] = []
@@ -84,7 +89,7 @@ def estimate_acceptance(
     greedy_runs: list[list[bool]] = []
     for s, ids in enumerate(sequences):
         first = max(1, score_from[s] if score_from else 1)
-        p = target_model(torch.tensor([ids])).logits[0].float().softmax(-1)  # [L, V]
+        p = (target_model(torch.tensor([ids])).logits[0].float() / temperature).softmax(-1)  # [L, V]
         translator = pair.translator()
         translator.start(ids[:first])
         runtime.add("seq")
@@ -96,7 +101,7 @@ def estimate_acceptance(
                 known = len(translator.draft_ids) - len(appended)
             if pos == len(ids) or not translator.draft_ids:
                 break
-            q = runtime.catch_up(["seq"], [translator.draft_ids], [known])[0].softmax(-1)  # [n]
+            q = (runtime.catch_up(["seq"], [translator.draft_ids], [known])[0].float() / temperature).softmax(-1)  # [n]
             p_pos = p[pos - 1]
             drafted = int(mapping.target_ids[int(q.argmax())])
             hit = drafted == int(p_pos.argmax())
