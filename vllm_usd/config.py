@@ -21,6 +21,9 @@ class UsdConfig:
     drafter_runtime:       "auto" (default: llama.cpp on the CPU when a GGUF is found, else transformers),
                            "transformers" or "llama_cpp" (see vllm_usd/drafter/select.py).
     drafter_gguf:          the drafter's GGUF file for llama.cpp (default: the one *.gguf in the drafter folder).
+    drafter_gguf_type:     llama.cpp weight type: "auto" (default: a GGUF of a type measured slow on the CPU,
+                           Q4_1, is requantized once to "q8_0"), "file" (as it is), or a type to
+                           requantize to: "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0" (vllm_usd/drafter/gguf_types.py).
     drafter_dtype:         transformers weight format: "auto" (default: the fastest measured on the
                            device), "float32", "bfloat16", "float16", "int8" (CPU) or "config".
     drafter_revision:      hub revision of the drafter (model and tokenizer).
@@ -59,6 +62,7 @@ class UsdConfig:
     drafter: str
     drafter_runtime: str = "auto"
     drafter_gguf: str | None = None
+    drafter_gguf_type: str = "auto"
     drafter_dtype: str = "auto"
     drafter_revision: str | None = None
     drafter_max_model_len: int | None = None
@@ -85,6 +89,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "drafter": (str,),
     "drafter_runtime": (str,),
     "drafter_gguf": (str, type(None)),
+    "drafter_gguf_type": (str,),
     "drafter_dtype": (str,),
     "drafter_revision": (str, type(None)),
     "drafter_max_model_len": (int, type(None)),
@@ -108,6 +113,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 _CHOICES = {
     "drafter_runtime": ("auto", "transformers", "llama_cpp"),
+    "drafter_gguf_type": ("auto", "file", "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0"),
     "drafter_dtype": ("auto", "float32", "bfloat16", "float16", "int8", "config"),
     "draft_sampling": ("auto", "greedy"),
     "draft_mode": ("auto", "tli", "string"),

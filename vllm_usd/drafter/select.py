@@ -7,6 +7,9 @@
   GGUF is found (``usd.drafter_gguf``, or a single ``*.gguf`` file in the drafter folder);
   otherwise transformers.
 
+``usd.drafter_gguf_type`` (llama.cpp only): the GGUF as it is, or requantized once to a type
+llama.cpp runs faster (``gguf_types.py``).
+
 ``usd.drafter_dtype`` (transformers only): ``"auto"`` (default) takes ``AUTO_DTYPE`` for the
 device, or one of
 ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"int8"`` (CPU), ``"config"``.
@@ -14,6 +17,7 @@ device, or one of
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from dataclasses import dataclass
@@ -35,9 +39,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "config")
 @dataclass(frozen=True)
 class DrafterChoice:
     runtime: str  # "transformers" or "llama_cpp"
-    dtype: str  # the transformers weight format, or "gguf"
+    dtype: str  # the transformers weight format; "gguf" (the file as it is) or "gguf/<type>" (requantized)
     device: str
     gguf: str | None = None
+    gguf_type: str = "file"  # llama.cpp: usd.drafter_gguf_type ("file": the GGUF named), resolved by open_drafter
 
 
 def find_gguf(path: str, gguf: str | None) -> str | None:
@@ -51,7 +56,7 @@ def find_gguf(path: str, gguf: str | None) -> str | None:
 
 
 def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str | None = None,
-           device: str = "cpu") -> DrafterChoice:
+           device: str = "cpu", gguf_type: str = "auto") -> DrafterChoice:
     """Decide the runtime and format from the settings, the device and what is installed."""
     from vllm_usd.drafter.llama_cpp_runtime import llama_cpp_available
 
@@ -60,7 +65,7 @@ def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str |
         found = find_gguf(path, gguf)
         usable = on_cpu and found is not None and llama_cpp_available()
         if usable:
-            return DrafterChoice("llama_cpp", "gguf", "cpu", found)
+            return DrafterChoice("llama_cpp", "gguf", "cpu", found, gguf_type)
         if runtime == "llama_cpp":
             why = ("it runs on the CPU only" if not on_cpu else
                    "no GGUF was found: set usd.drafter_gguf" if found is None else
@@ -101,11 +106,16 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
     config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if choice.runtime == "llama_cpp":
+        from vllm_usd import envs
+        from vllm_usd.drafter.gguf_types import drafter_gguf
         from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime
 
+        gguf, gguf_type = drafter_gguf(choice.gguf, choice.gguf_type, envs.cache_dir())
+        choice = dataclasses.replace(choice, gguf=gguf, gguf_type=gguf_type,
+                                     dtype="gguf" if gguf_type == "file" else f"gguf/{gguf_type}")
         vocab_size = int(text_config.vocab_size)
         runtime: DrafterRuntime = LlamaCppDrafterRuntime(
-            choice.gguf, vocab_size=vocab_size, kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT),
+            gguf, vocab_size=vocab_size, kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT),
             max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes, threads=threads)
         return OpenedDrafter(runtime, tokenizer, vocab_size, choice)
     from vllm_usd.drafter.hf_runtime import HFDrafterRuntime

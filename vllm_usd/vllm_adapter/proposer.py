@@ -55,7 +55,8 @@ class UniversalProposer:
         started = time.perf_counter()
         cfg = self.config
         self.choice = choose(cfg.drafter, runtime=cfg.drafter_runtime, dtype=cfg.drafter_dtype,
-                             gguf=cfg.drafter_gguf, device=compat.worker_device(vllm_config))
+                             gguf=cfg.drafter_gguf, device=compat.worker_device(vllm_config),
+                             gguf_type=cfg.drafter_gguf_type)
         opened = open_drafter(
             cfg.drafter, self.choice, max_len=self._drafter_max_len(vllm_config),
             max_requests=cfg.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
@@ -64,6 +65,7 @@ class UniversalProposer:
             cuda_graphs=not compat.enforce_eager(vllm_config),
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
+        self.choice = opened.choice  # with the GGUF type resolved
         target_tokenizer = compat.load_target_tokenizer(vllm_config)
         self.pair = DraftPair.build(
             target_tokenizer, self.draft_tokenizer,
