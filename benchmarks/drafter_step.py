@@ -4,14 +4,17 @@
     .venv/bin/python benchmarks/drafter_step.py --drafter DIR --batches 1 8 32 --out r.json
 
 For each format (transformers float32 / bfloat16 / int8 on the CPU, float32 / bfloat16 /
-float16 on CUDA; llama.cpp on the drafter's GGUF) and batch size, B requests hold a
+float16 on CUDA; llama.cpp on the drafter's GGUF, ``gguf``, or on the GGUF requantized to a
+llama.cpp type, ``gguf:q8_0`` say, as ``usd.drafter_gguf_type`` does) and batch size, B requests hold a
 64-token context; one step drafts one token for each (one forward over B new tokens
 with the logits of the intersection-sized pruned head), and is rolled back so the
 context stays 64 long. The figure is the median of ``--steps`` steps after a warm-up.
 
 The limit: a batch-1 decode step must read every weight once, so it cannot beat
-(bytes of weights read per forward) / (memory bandwidth). The bandwidth is measured
-here, by copying a large tensor (bytes read + bytes written, over the time).
+(bytes of weights read per forward) / (memory bandwidth). Two bandwidths are measured
+here on a 1 GiB tensor: a copy (bytes read + bytes written, over the time) and a sum
+(bytes read over the time, which is what reading weights does). ``read_limit_ms`` uses
+the read bandwidth, ``copy_limit_ms`` the copy's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,20 @@ def memory_bandwidth(device: str, gib: float = 1.0, repeats: int = 5) -> float:
     return 2 * n * 4 / best
 
 
+def read_bandwidth(device: str, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of reading a large tensor once (a sum: one add per 4 bytes read)."""
+    n = int(gib * (1 << 30)) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        src.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return n * 4 / best
+
+
 def _sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -78,7 +95,7 @@ def step_times(runtime, batch: int, steps: int, device: str) -> list[float]:
 
 def weight_bytes_read(runtime, fmt: str) -> int:
     """Weights one forward reads: every layer, plus the pruned head (llama.cpp: its whole model)."""
-    if fmt == "gguf":
+    if fmt.startswith("gguf"):
         return runtime.param_bytes
     model = runtime.model
     embed = model.get_input_embeddings().weight
@@ -109,15 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         drafter = ensure_smollm2()
     on_cpu = torch.device(args.device).type == "cpu"
     formats = args.formats or (["float32", "bfloat16", "int8", "gguf"] if on_cpu else ["float32", "bfloat16", "float16"])
-    bandwidth = memory_bandwidth(args.device)
+    copy_bandwidth = memory_bandwidth(args.device)
+    bandwidth = read_bandwidth(args.device)
     rows = []
     for fmt in formats:
-        if fmt == "gguf":
+        if fmt.startswith("gguf"):
             gguf = find_gguf(drafter, None)
             if gguf is None:
                 print(f"skip gguf: no GGUF in {drafter}", file=sys.stderr)
                 continue
-            choice = DrafterChoice("llama_cpp", "gguf", "cpu", gguf)
+            choice = DrafterChoice("llama_cpp", "gguf", "cpu", gguf, fmt.partition(":")[2] or "file")
         else:
             choice = DrafterChoice("transformers", fmt, args.device)
         for threads in args.threads or [None]:
@@ -135,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"format": fmt, "runtime": choice.runtime, "device": choice.device, "batch": batch,
                        "step_ms": 1000 * median, "step_ms_p10": 1000 * sorted(times)[len(times) // 10],
                        "weight_bytes_read": read, "read_limit_ms": 1000 * limit, "vs_limit": median / limit,
+                       "copy_limit_ms": 1000 * read / copy_bandwidth, "drafter_dtype": opened.choice.dtype,
                        "threads": getattr(runtime, "threads", torch.get_num_threads())}
                 rows.append(row)
                 print(f"{fmt:>9} {choice.runtime:>12} t={row['threads']} b={batch:<3} {row['step_ms']:7.1f} ms/step "
                       f"(limit {row['read_limit_ms']:.1f} ms, {row['vs_limit']:.2f}x)", flush=True)
             del runtime, opened
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "drafter": drafter,
-              "device": args.device, "bandwidth_gb_s": bandwidth / 1e9, "context": CONTEXT,
+              "device": args.device, "bandwidth_gb_s": bandwidth / 1e9,
+              "copy_bandwidth_gb_s": copy_bandwidth / 1e9, "context": CONTEXT,
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
               "ld_preload": os.environ.get("LD_PRELOAD", ""), "rows": rows}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))

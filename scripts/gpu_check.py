@@ -230,7 +230,7 @@ def _smollm2_config():
 def step_times(device: str) -> dict:
     from transformers import LlamaForCausalLM
 
-    from benchmarks.drafter_step import memory_bandwidth, step_times as time_steps
+    from benchmarks.drafter_step import read_bandwidth, step_times as time_steps
     from vllm_usd.drafter.attention import register_attention
     from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
     from vllm_usd.drafter.weight_formats import quantize_int8
@@ -239,7 +239,7 @@ def step_times(device: str) -> dict:
     cfg = _smollm2_config()
     on_cpu = torch.device(device).type == "cpu"
     formats = ["float32", "bfloat16", "int8"] if on_cpu else ["float32", "bfloat16", "float16"]
-    bandwidth = memory_bandwidth(device, gib=0.5)
+    bandwidth = read_bandwidth(device, gib=0.5)
     out = {"bandwidth_gb_s": bandwidth / 1e9, "rows": []}
     for fmt in formats:
         torch.manual_seed(0)
