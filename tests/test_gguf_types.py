@@ -82,3 +82,19 @@ def test_a_gguf_is_requantized_once_and_drafts_like_the_file(real_pair, tmp_path
         o.runtime.free("t")
     agree = sum(a == b for a, b in zip(*picks)) / len(ids)
     assert agree >= 0.9, f"the requantized drafter agrees with its source on {agree:.0%} of next tokens"
+
+
+def test_auto_runs_the_file_as_it_is_when_requantizing_fails(tmp_path, monkeypatch, caplog):
+    """An unwritable cache must not stop an engine that never asked for a type: auto falls back."""
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    monkeypatch.setattr(gguf_types, "file_type", lambda _path: Q4_1)
+
+    def fail(*_args):
+        raise OSError("read-only file system")
+    monkeypatch.setattr(gguf_types, "requantize", fail)
+    with caplog.at_level("WARNING", logger="vllm.usd"):
+        assert gguf_types.drafter_gguf(str(src), "auto", str(tmp_path / "ro")) == (str(src), "file")
+    assert "running" in caplog.text and "as it is" in caplog.text
+    with pytest.raises(OSError, match="read-only"):  # a type the user named: the error stands
+        gguf_types.drafter_gguf(str(src), "q8_0", str(tmp_path / "ro"))

@@ -100,7 +100,15 @@ def drafter_gguf(gguf: str, gguf_type: str, cache_root: str) -> tuple[str, str]:
     out = requantized_path(gguf, target, cache_root)
     if not out.is_file():
         start = time.perf_counter()
-        requantize(gguf, target, out)
+        try:
+            requantize(gguf, target, out)
+        except (OSError, ValueError) as exc:
+            if gguf_type != "auto":
+                raise
+            # auto is a speed-up, not something the user asked for: never fail a start for it
+            logger.warning("vllm-usd: could not requantize the drafter GGUF to %s (%s); running %s as it is. "
+                           "Set usd.drafter_gguf_type = \"file\" to skip the attempt.", target, exc, gguf)
+            return gguf, "file"
         logger.info("vllm-usd: requantized the drafter GGUF %s to %s in %.1fs: %s", gguf, target,
                     time.perf_counter() - start, out)
     return str(out), target
