@@ -70,8 +70,12 @@ def _canonical_rows(rows, t_tok, d_tok, ids: list[int], pos: int):
                      positions=list(rows.positions), target_tails=list(rows.target_tails))
 
 
-def _usd_steps(strings, table, ids: list[int], prompt_len: int, k: int, req_id: str, canonical=None):
+def _usd_steps(strings, table, ids: list[int], prompt_len: int, k: int, req_id: str, canonical=None,
+               start: int | None = None):
     """StringDrafting teacher-forced on ``ids``: (position, proposed, accepted) per step.
+
+    ``start``: the first position drafted (default: right after the prompt, as transformers drafts;
+    ``prompt_len + 1`` is vLLM's first drafting step, after the prefill step wrote one token).
 
     ``canonical``: (target tokenizer, drafter tokenizer) to draft from the drafter's own
     tokenization of the committed text instead of vllm-usd's context translation.
@@ -80,7 +84,7 @@ def _usd_steps(strings, table, ids: list[int], prompt_len: int, k: int, req_id: 
 
     from vllm_usd.drafting.requests import RequestSampling
 
-    steps, pos, history = [], prompt_len, np.array([ids])
+    steps, pos, history = [], start or prompt_len, np.array([ids])
     while pos < len(ids):
         rows, lengths = table.collect([req_id], [[ids[pos - 1]]], np.array([pos]), history,
                                       sampling=lambda r: RequestSampling(), length_of=lambda r, s: k)
@@ -148,14 +152,19 @@ def main(argv: list[str] | None = None) -> int:
                                  budget=default_budget(k), timer=PhaseTimer(False))
         table = RequestTable(pair, runtime, k=default_budget(k), always_greedy=False, seed=0,
                              drafts_text=lambda temperature: args.drafter_context == "by_text")
-        totals = {"hf": [0, 0, 0], "usd": [0, 0, 0]}  # steps, proposed, accepted
+        # steps, proposed, accepted; "..._after_first": leaving out each text's first generated token, which
+        # transformers drafts before its first target forward and vLLM writes in its prefill step, undrafted
+        totals = {"hf": [0, 0, 0], "usd": [0, 0, 0], "hf_after_first": [0, 0, 0], "usd_after_first": [0, 0, 0]}
         shared = {"positions": 0, "hf_more": 0, "usd_more": 0, "same": 0, "hf_accepted": 0, "usd_accepted": 0}
         examples = []
         for n, prompt in enumerate(prompts):
             ids, prompt_len, hf = _hf_steps(target, drafter, t_tok, d_tok, prompt, args.tokens, k)
             usd = _usd_steps(strings, table, ids, prompt_len, k, f"p{n}",
                              canonical=(t_tok, d_tok) if args.drafter_context == "canonical" else None)
-            for name, steps in (("hf", hf), ("usd", usd)):
+            usd_vllm = _usd_steps(strings, table, ids, prompt_len, k, f"p{n}v", start=prompt_len + 1,
+                                  canonical=(t_tok, d_tok) if args.drafter_context == "canonical" else None)
+            hf_after = [(p, prop, a) for p, prop, a in hf if p > prompt_len]
+            for name, steps in (("hf", hf), ("usd", usd), ("hf_after_first", hf_after), ("usd_after_first", usd_vllm)):
                 totals[name][0] += len(steps)
                 totals[name][1] += sum(len(p) for _, p, _ in steps)
                 totals[name][2] += sum(a for _, _, a in steps)

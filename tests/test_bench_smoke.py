@@ -38,6 +38,8 @@ def test_smoke_plan_writes_complete_results(tmp_path):
         assert r["ratio_vs_plain"] is not None and math.isfinite(r["ratio_vs_plain"]) and r["ratio_vs_plain"] > 0
         if r["system"] in ("usd_greedy", "hf_assisted"):
             assert math.isfinite(r["acceptance_length"]) and r["acceptance_length"] >= 1.0
+        if r["system"] == "hf_assisted":  # k = 2: at most 3 tokens a step, from the second token on too
+            assert 1.0 <= r["acceptance_length_after_first"] <= 3.0
         if r["system"] == "usd_greedy":
             split = r["step_split"]
             parts = (split["target_and_vllm"], split["drafter_forward"], split["proposer_overhead"])
