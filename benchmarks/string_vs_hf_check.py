@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                              drafts_text=lambda temperature: args.drafter_context == "by_text")
         # steps, proposed, accepted; "..._after_first": leaving out each text's first generated token, which
         # transformers drafts before its first target forward and vLLM writes in its prefill step, undrafted
-        totals = {"hf": [0, 0, 0], "usd": [0, 0, 0], "hf_after_first": [0, 0, 0], "usd_after_first": [0, 0, 0]}
+        # tokens: a step writes its accepted drafts and one token of the target's, but not past the
+        # text's end, where generation stops (transformers never proposes past it; the teacher-forced
+        # replay would count a token there)
+        totals = {name: [0, 0, 0, 0] for name in ("hf", "usd", "hf_after_first", "usd_after_first")}
         shared = {"positions": 0, "hf_more": 0, "usd_more": 0, "same": 0, "hf_accepted": 0, "usd_accepted": 0}
         examples = []
         for n, prompt in enumerate(prompts):
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 totals[name][0] += len(steps)
                 totals[name][1] += sum(len(p) for _, p, _ in steps)
                 totals[name][2] += sum(a for _, _, a in steps)
+                totals[name][3] += sum(min(a + 1, len(ids) - pos) for pos, _, a in steps)
             by_pos = {p: (prop, a) for p, prop, a in usd}
             for p, prop, a in hf:
                 if p not in by_pos:
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "usd": [text([t]) for t in uprop], "usd_accepted": ua})
         result["by_k"][k] = {
             name: {"steps": s, "proposed_per_step": pr / max(s, 1), "accepted_per_step": ac / max(s, 1),
-                   "tokens_per_step": 1 + ac / max(s, 1)} for name, (s, pr, ac) in totals.items()}
+                   "tokens_per_step": tok / max(s, 1)} for name, (s, pr, ac, tok) in totals.items()}
         result["by_k"][k]["shared_positions"] = shared
         result["by_k"][k]["usd_counters"] = dict(table.counters) | dict(strings.counters)
         result["by_k"][k]["examples"] = examples
