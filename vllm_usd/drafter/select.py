@@ -29,8 +29,9 @@ from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafter.loading import DrafterLoadError, load_drafter_model, read_drafter
 
 # The transformers runtime's default format per device type. On the CPU int8 measured faster
-# (benchmarks/drafter_step.py: 21.6 vs 36.6 ms at batch 1) but its acceptance cost on the real
-# pair is not measured yet, so bfloat16 stays the default; GPUs are not measured at all.
+# (benchmarks/drafter_step.py: 21.6 vs 36.6 ms at batch 1) but costs 5-9% of the sampled
+# acceptance on the real pair where bfloat16 costs none (benchmarks/format_acceptance.py), so
+# bfloat16 stays the default; GPUs are not measured at all.
 AUTO_DTYPE = {"cpu": "bfloat16", "cuda": "bfloat16"}
 RUNTIMES = ("auto", "transformers", "llama_cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "config")
