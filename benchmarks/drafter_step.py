@@ -35,33 +35,31 @@ CONTEXT = 64
 PRUNED_ROWS = 46_000  # about the real pair's intersection: the head the step multiplies
 
 
+def _best_seconds(device: str, op, repeats: int) -> float:
+    """The fastest of ``repeats`` timed runs of ``op()``, synchronised on CUDA."""
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        op()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def memory_bandwidth(device: str, gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second of a large device-to-device copy (read + write)."""
     n = int(gib * (1 << 30)) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n * 4 / best
+    return 2 * n * 4 / _best_seconds(device, lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(device: str, gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second of reading a large tensor once (a sum: one add per 4 bytes read)."""
     n = int(gib * (1 << 30)) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        src.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return n * 4 / best
+    return n * 4 / _best_seconds(device, src.sum, repeats)
 
 
 def _sync(device: str) -> None:
