@@ -14,7 +14,9 @@ The limit: a batch-1 decode step must read every weight once, so it cannot beat
 (bytes of weights read per forward) / (memory bandwidth). Two bandwidths are measured
 here on a 1 GiB tensor: a copy (bytes read + bytes written, over the time) and a sum
 (bytes read over the time, which is what reading weights does). ``read_limit_ms`` uses
-the read bandwidth, ``copy_limit_ms`` the copy's.
+the read bandwidth, measured again before each format (a row's ``bandwidth_gb_s``), and
+``copy_limit_ms`` the copy's, measured once; ``weights_read_gb_s`` is the rate the step itself
+read its weights at (bytes read over the step's time).
 """
 
 from __future__ import annotations
@@ -144,21 +146,26 @@ def main(argv: list[str] | None = None) -> int:
             runtime = opened.runtime
             runtime.set_output_rows(head_rows(opened.vocab_size))
             read = weight_bytes_read(runtime, fmt)
-            limit = read / bandwidth
+            # measured again next to each format: on a shared VM it moves by a third within minutes
+            row_bandwidth = read_bandwidth(args.device)
+            limit = read / row_bandwidth
             for batch in args.batches:
                 times = step_times(runtime, batch, args.steps, args.device)
                 median = statistics.median(times)
                 row = {"format": fmt, "runtime": choice.runtime, "device": choice.device, "batch": batch,
                        "step_ms": 1000 * median, "step_ms_p10": 1000 * sorted(times)[len(times) // 10],
                        "weight_bytes_read": read, "read_limit_ms": 1000 * limit, "vs_limit": median / limit,
+                       "bandwidth_gb_s": row_bandwidth / 1e9,  # the sum's, just before this format ran
+                       "weights_read_gb_s": read / median / 1e9,  # the rate this step read its weights at
                        "copy_limit_ms": 1000 * read / copy_bandwidth, "drafter_dtype": opened.choice.dtype,
                        "threads": getattr(runtime, "threads", torch.get_num_threads())}
                 rows.append(row)
                 print(f"{fmt:>9} {choice.runtime:>12} t={row['threads']} b={batch:<3} {row['step_ms']:7.1f} ms/step "
-                      f"(limit {row['read_limit_ms']:.1f} ms, {row['vs_limit']:.2f}x)", flush=True)
+                      f"(limit {row['read_limit_ms']:.1f} ms, {row['vs_limit']:.2f}x; weights read at "
+                      f"{row['weights_read_gb_s']:.1f} of {row['bandwidth_gb_s']:.1f} GB/s)", flush=True)
             del runtime, opened
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "drafter": drafter,
-              "device": args.device, "bandwidth_gb_s": bandwidth / 1e9,
+              "device": args.device, "bandwidth_gb_s": bandwidth / 1e9,  # at the start; each row has its own
               "copy_bandwidth_gb_s": copy_bandwidth / 1e9, "context": CONTEXT,
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
               "ld_preload": os.environ.get("LD_PRELOAD", ""), "rows": rows}

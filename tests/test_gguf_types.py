@@ -10,7 +10,7 @@ from vllm_usd import config
 from vllm_usd.drafter import gguf_types
 from vllm_usd.drafter.llama_cpp_runtime import llama_cpp_available
 
-Q4_0, Q4_1, Q8_0, Q4_K_M, IQ4_NL = 2, 3, 7, 15, 25
+Q4_0, Q4_1, Q8_0, Q4_K_M, IQ4_NL, F16 = 2, 3, 7, 15, 25, 1
 
 
 @pytest.mark.parametrize("setting,current,expected", [
@@ -22,6 +22,8 @@ Q4_0, Q4_1, Q8_0, Q4_K_M, IQ4_NL = 2, 3, 7, 15, 25
     ("q4_0", Q4_1, "q4_0"),
     ("q4_0", Q4_0, None),  # already that type
     ("q8_0", Q4_K_M, "q8_0"),
+    ("auto", F16, None),  # 16-bit is slower here, but never rounded again: auto leaves it alone
+    ("bf16", Q4_1, "bf16"),
 ])
 def test_which_ggufs_are_requantized_and_to_what(setting, current, expected):
     assert gguf_types.resolve(setting, current) == expected

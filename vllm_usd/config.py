@@ -23,7 +23,7 @@ class UsdConfig:
     drafter_gguf:          the drafter's GGUF file for llama.cpp (default: the one *.gguf in the drafter folder).
     drafter_gguf_type:     llama.cpp weight type: "auto" (default: a GGUF of a type measured slow on the CPU,
                            Q4_1, is requantized once to "q8_0"), "file" (as it is), or a type to
-                           requantize to: "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0" (vllm_usd/drafter/gguf_types.py).
+                           requantize to: "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0", "f16", "bf16" (vllm_usd/drafter/gguf_types.py).
     drafter_dtype:         transformers weight format: "auto" (default: the fastest measured on the
                            device), "float32", "bfloat16", "float16", "int8" (CPU) or "config".
     drafter_revision:      hub revision of the drafter (model and tokenizer).
@@ -113,7 +113,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 _CHOICES = {
     "drafter_runtime": ("auto", "transformers", "llama_cpp"),
-    "drafter_gguf_type": ("auto", "file", "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0"),
+    "drafter_gguf_type": ("auto", "file", "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0", "f16", "bf16"),
     "drafter_dtype": ("auto", "float32", "bfloat16", "float16", "int8", "config"),
     "draft_sampling": ("auto", "greedy"),
     "draft_mode": ("auto", "tli", "string"),

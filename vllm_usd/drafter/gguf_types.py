@@ -27,8 +27,10 @@ from pathlib import Path
 
 logger = logging.getLogger("vllm.usd")
 
-# llama.cpp file types by name (llama_ftype in llama.h) a drafter may be requantized to
-GGUF_TYPES: dict[str, int] = {"q4_0": 2, "iq4_nl": 25, "q4_1": 3, "q4_k_m": 15, "q8_0": 7}
+# llama.cpp file types by name (llama_ftype in llama.h) a drafter may be requantized to. The 16-bit
+# types are never picked by auto: they read twice Q8_0's bytes and ran slower here, but their
+# kernels come closer to the weight-read limit (README, "Drafter speed").
+GGUF_TYPES: dict[str, int] = {"q4_0": 2, "iq4_nl": 25, "q4_1": 3, "q4_k_m": 15, "q8_0": 7, "f16": 1, "bf16": 32}
 CHOICES = ("auto", "file", *GGUF_TYPES)
 
 # file types measured slower here than their Q8_0 requantization (benchmarks/drafter_step.py
