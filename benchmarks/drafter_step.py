@@ -93,6 +93,32 @@ def step_times(runtime, batch: int, steps: int, device: str) -> list[float]:
     return times
 
 
+class DecodeCallTimer:
+    """Times each ``llama_decode`` call a llama.cpp runtime makes, while in the ``with`` block:
+    the part of a step spent inside llama.cpp (the rest is the batch set-up and the logits copy)."""
+
+    def __init__(self, runtime) -> None:
+        self._ll = getattr(runtime, "_ll", None)  # the llama_cpp module, or None for transformers
+        self.seconds: list[float] = []
+
+    def __enter__(self) -> "DecodeCallTimer":
+        if self._ll is not None:
+            decode = self._original = self._ll.llama_decode
+
+            def timed(ctx, batch):
+                start = time.perf_counter()
+                rc = decode(ctx, batch)
+                self.seconds.append(time.perf_counter() - start)
+                return rc
+
+            self._ll.llama_decode = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._ll is not None:
+            self._ll.llama_decode = self._original
+
+
 def weight_bytes_read(runtime, fmt: str) -> int:
     """Weights one forward reads: every layer, plus the pruned head (llama.cpp: its whole model)."""
     if fmt.startswith("gguf"):
@@ -150,13 +176,16 @@ def main(argv: list[str] | None = None) -> int:
             row_bandwidth = read_bandwidth(args.device)
             limit = read / row_bandwidth
             for batch in args.batches:
-                times = step_times(runtime, batch, args.steps, args.device)
+                with DecodeCallTimer(runtime) as decode:
+                    times = step_times(runtime, batch, args.steps, args.device)
                 median = statistics.median(times)
                 row = {"format": fmt, "runtime": choice.runtime, "device": choice.device, "batch": batch,
                        "step_ms": 1000 * median, "step_ms_p10": 1000 * sorted(times)[len(times) // 10],
                        "weight_bytes_read": read, "read_limit_ms": 1000 * limit, "vs_limit": median / limit,
                        "bandwidth_gb_s": row_bandwidth / 1e9,  # the sum's, just before this format ran
                        "weights_read_gb_s": read / median / 1e9,  # the rate this step read its weights at
+                       # llama.cpp: the median llama_decode call (one per step here), inside the step's time
+                       "decode_call_ms": 1000 * statistics.median(decode.seconds) if decode.seconds else None,
                        "copy_limit_ms": 1000 * read / copy_bandwidth, "drafter_dtype": opened.choice.dtype,
                        "threads": getattr(runtime, "threads", torch.get_num_threads())}
                 rows.append(row)

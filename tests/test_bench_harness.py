@@ -225,3 +225,21 @@ def test_extra_usd_settings_reach_every_vllm_usd_system_and_no_other():
     assert forced["draft_mode"] == "tli"
     assert vllm_systems.engine_args("plain", "d", 2, extra) == {}
     assert "additional_config" not in vllm_systems.engine_args("native", "d", 2, extra)
+
+
+def test_drafter_step_times_each_llama_decode_call_and_puts_the_call_back():
+    from types import SimpleNamespace
+
+    from benchmarks.drafter_step import DecodeCallTimer
+
+    calls = []
+    module = SimpleNamespace(llama_decode=lambda ctx, batch: calls.append((ctx, batch)) or 0)
+    original = module.llama_decode
+    runtime = SimpleNamespace(_ll=module)
+    with DecodeCallTimer(runtime) as timer:
+        assert module.llama_decode(1, 2) == 0 and module.llama_decode(3, 4) == 0
+    assert calls == [(1, 2), (3, 4)] and len(timer.seconds) == 2 and all(t >= 0 for t in timer.seconds)
+    assert module.llama_decode is original, "the module's own llama_decode is back after the block"
+    with DecodeCallTimer(SimpleNamespace()) as none:  # a transformers runtime: nothing to time
+        pass
+    assert none.seconds == []
