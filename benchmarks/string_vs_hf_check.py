@@ -100,6 +100,17 @@ def _usd_steps(strings, table, ids: list[int], prompt_len: int, k: int, req_id: 
     return steps
 
 
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: the chance of a split at least this uneven if each side is equally likely."""
+    from math import comb
+
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(comb(n, i) for i in range(min(wins, losses) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         # text's end, where generation stops (transformers never proposes past it; the teacher-forced
         # replay would count a token there)
         totals = {name: [0, 0, 0, 0] for name in ("hf", "usd", "hf_after_first", "usd_after_first")}
-        shared = {"positions": 0, "hf_more": 0, "usd_more": 0, "same": 0, "hf_accepted": 0, "usd_accepted": 0}
+        # where both drafted from the same position: who accepted more; "capped" counts transformers'
+        # accepted drafts up to k, the most vLLM verifies (its k counts drafter tokens, not target tokens)
+        shared = {"positions": 0, "hf_more": 0, "usd_more": 0, "same": 0, "hf_accepted": 0, "usd_accepted": 0,
+                  "hf_more_capped": 0, "usd_more_capped": 0, "hf_accepted_capped": 0}
         examples = []
         for n, prompt in enumerate(prompts):
             ids, prompt_len, hf = _hf_steps(target, drafter, t_tok, d_tok, prompt, args.tokens, k)
@@ -182,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                 shared["usd_accepted"] += ua
                 key = "hf_more" if a > ua else "usd_more" if ua > a else "same"
                 shared[key] += 1
+                shared["hf_accepted_capped"] += min(a, k)
+                if min(a, k) != ua:
+                    shared["hf_more_capped" if min(a, k) > ua else "usd_more_capped"] += 1
                 if a != ua and len(examples) < args.examples:
                     examples.append({"prompt": n, "position": p - prompt_len, "committed_tail": text(ids[max(p - 6, 0):p]),
                                      "truth": text(ids[p:p + max(len(prop), len(uprop))]),
@@ -190,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         result["by_k"][k] = {
             name: {"steps": s, "proposed_per_step": pr / max(s, 1), "accepted_per_step": ac / max(s, 1),
                    "tokens_per_step": tok / max(s, 1)} for name, (s, pr, ac, tok) in totals.items()}
+        # two-sided sign test over the shared positions where the two differ: is either system ahead?
+        shared["sign_test_p"] = sign_test_p(shared["hf_more"], shared["usd_more"])
+        shared["sign_test_p_capped"] = sign_test_p(shared["hf_more_capped"], shared["usd_more_capped"])
         result["by_k"][k]["shared_positions"] = shared
         result["by_k"][k]["usd_counters"] = dict(table.counters) | dict(strings.counters)
         result["by_k"][k]["examples"] = examples
