@@ -34,7 +34,7 @@ def _prompt(text):
 
 def _force(p, table: dict[str, int]) -> None:
     """The policy gives these lengths (and so may draft at any batch size)."""
-    p.policy.lengths = lambda req_ids, keys, batch: [table[r] for r in req_ids]
+    p.policy.lengths = lambda req_ids, batch: [table[r] for r in req_ids]
     p.policy.may_draft = lambda batch: True
 
 
@@ -139,60 +139,70 @@ def test_ranks_choose_identical_lengths_drafts_and_q():
     assert len(per_step) >= 2, f"the power check needs lengths that vary: {lengths0}"
 
 
-# -- usd.cost_calibration_steps: the policy's costs measured while serving ------------------------
-def _serve(p, steps: int, lengths: dict[str, int] | None = None) -> None:
+# -- usd.cost_calibration_steps: the policy's costs measured (the default) --------------------------
+def _loaded(**usd):
+    """A proposer after vLLM's load_model (which times the drafter where the costs are measured)."""
+    p = _proposer(**usd)
+    p.load_model(torch.nn.Linear(64, 64))
+    return p
+
+
+def _serve(p, steps: int, lengths: dict[str, int] | None = None) -> list[dict[str, list[int]]]:
+    """``steps`` engine steps of three greedy requests; the policy's own lengths unless ``lengths``."""
     runner = FakeRunner()
     for r, text in (("a", " the keeper"), ("b", " it was"), ("c", " a small house")):
         runner.add(r, _prompt(text), sampling(0.0))
-    _force(p, lengths or {"a": 3, "b": 1, "c": 2})  # drafting every step, so that there is drafting to time
-    out = runner.step(p, {})
+    if lengths is not None:
+        _force(p, lengths)
+    out = [runner.step(p, {})]
     for _ in range(steps - 1):
-        out = runner.step(p, {r: d[:1] or runner.history[r][-1:] for r, d in out.items()})
+        out.append(runner.step(p, {r: d[:1] or runner.history[r][-1:] for r, d in out[-1].items()}))
+    return out
 
 
-def test_costs_are_measured_after_the_calibration_steps_and_then_used():
-    p = _proposer(cost_calibration_steps=40)
+def test_costs_are_measured_by_default_and_nothing_is_drafted_before():
+    p = _loaded(probe_interval=1)
+    timing = p.stats()["drafter_timing"]
+    assert timing is not None and timing["per_forward"] + timing["per_request"] > 0, "the drafter was timed"
+    assert p.policy.costs_pending
     configured = p.policy.costs
-    _serve(p, 39)
+    steps = _serve(p, 47)
+    assert all(d == [] for step in steps for d in step.values()), "no drafts while the costs are measured"
     assert not p.stats()["costs_measured"] and p.policy.costs == configured
     _serve(p, 1)
     stats = p.stats()
-    assert stats["costs_measured"] and p.policy.costs != configured, stats["costs"]
-    assert all(v >= 0 and v < float("inf") for v in stats["costs"].values()), stats["costs"]
-    assert stats["costs"]["draft_forward_cost"] + stats["costs"]["draft_cost"] > 0, "drafting was timed"
+    assert stats["costs_measured"] and not p.policy.costs_pending and p.policy.costs != configured, stats["costs"]
+    assert all(0 <= v < float("inf") for v in stats["costs"].values()), stats["costs"]
+    assert stats["costs"]["draft_forward_cost"] + stats["costs"]["draft_cost"] > 0, "priced from the timing"
 
 
 def test_configured_costs_are_not_measured():
     for usd in ({"draft_cost": 0.1}, {"cost_calibration_steps": 0}):
-        p = _proposer(**usd)
+        p = _loaded(**usd)
         configured = p.policy.costs
-        _serve(p, 300)
+        assert not p.policy.costs_pending and p.stats()["drafter_timing"] is None, usd
+        _serve(p, 120, {"a": 3, "b": 1, "c": 2})
         assert not p.stats()["costs_measured"] and p.policy.costs == configured, usd
 
 
-def test_every_rank_takes_the_costs_rank_0_broadcasts(monkeypatch):
-    """Each rank fits its own timings, but uses what the broadcast returns: rank 0's fit."""
+def test_every_rank_takes_rank_0s_drafter_timing_and_costs(monkeypatch):
+    """Each rank fits its own timings, but uses what the broadcasts return: rank 0's."""
     from vllm_usd.drafting import StepCostModel
+    from vllm_usd.drafting.drafter_timing import DrafterTiming
     from vllm_usd.vllm_adapter import compat
 
+    timing0 = DrafterTiming(per_forward=0.5, per_request=0.25)
     rank0 = StepCostModel(draft_cost=0.5, verify_token_cost=0.01, compute_bound_tokens=1e9, draft_forward_cost=0.2)
     sent = []
-    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: sent.append(obj) or (rank0, True))
-    p = _proposer(cost_calibration_steps=40)
+    monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: timing0)
+    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: sent.append(obj) or rank0)
+    p = _loaded(cost_calibration_steps=40)
+    assert p.drafter_timing == timing0 and p._calibration.drafter == timing0
     _serve(p, 40)
-    assert len(sent) == 1 and isinstance(sent[0][0], StepCostModel), "this rank's own fit went to the broadcast once"
+    assert len(sent) == 1 and isinstance(sent[0], StepCostModel), "this rank's own fit went to the broadcast once"
     assert p.policy.costs == rank0 and p.stats()["costs_measured"]
-
-
-def test_a_window_without_drafts_measures_the_target_and_opens_another():
-    p = _proposer(cost_calibration_steps=40)
-    configured = p.policy.costs
-    _serve(p, 40, {"a": 0, "b": 0, "c": 0})
-    first = p.policy.costs
-    # one step size (3 tokens): the configured shape in the measured unit, the drafting not yet timed
-    assert p.stats()["costs_measured"] and first.draft_cost == configured.draft_cost
     _serve(p, 40)
-    assert p.policy.costs.draft_cost != configured.draft_cost, "a second window timed the drafting"
+    assert len(sent) == 2, "the next fit is due at twice the steps"
 
 
 def test_a_batch_size_where_no_length_pays_costs_no_per_request_work():

@@ -13,7 +13,7 @@ def test_defaults_and_helper():
     cfg = parse_usd_config({"usd": {"drafter": "some/model"}})
     assert cfg.drafter == "some/model" and cfg.draft_sampling == "auto" and cfg.trust_remote_code is None
     assert cfg.adaptive_length and cfg.draft_cost is None and cfg.probe_interval == 8
-    assert cfg.cost_calibration_steps == 0, "measured costs are opt-in (README: adaptive draft length)"
+    assert cfg.cost_calibration_steps == 48, "the policy's costs are measured on the engine by default"
     args = vllm_usd.speculative_args(drafter="d", k=4, draft_sampling="greedy")
     assert args["speculative_config"] == {"method": "custom_class", "model": "vllm_usd.UniversalProposer",
                                           "num_speculative_tokens": 4}

@@ -6,41 +6,38 @@ import random
 
 import pytest
 
-from vllm_usd.drafting.cost_calibration import MIN_SAMPLES, WARMUP_STEPS, CostCalibration
+from vllm_usd.drafting.cost_calibration import KEPT_PER_SIZE, MIN_SAMPLES, WARMUP_STEPS, CostCalibration
+from vllm_usd.drafting.drafter_timing import DrafterTiming
 from vllm_usd.drafting.length_policy import DraftLengthPolicy, StepCostModel
 
 CONFIGURED = StepCostModel(draft_cost=0.25, verify_token_cost=0.045, compute_bound_tokens=5.0)
 
-# the engine the timings come from: a step of N tokens takes A + B N seconds, drafting takes
-# F0 per draft position (one drafter forward) plus F1 per drafted token
+# the engine the timings come from: a step of N tokens takes A + B N seconds; a drafter forward of
+# a batch takes F0 plus F1 per request (timed at start-up)
 A, B, F0, F1 = 0.010, 0.0005, 0.003, 0.0004
+DRAFTER = DrafterTiming(per_forward=F0, per_request=F1)
 
 
 def _serve(cal: CostCalibration, batches=(1, 4, 8), steps: int = 300, noise: float = 0.05,
-           outliers: float = 0.02, seed: int = 0) -> None:
+           outliers: float = 0.02, seed: int = 0, step_time=lambda n: A + B * n) -> None:
     """Steps at the given batch sizes with lengths 0..3, noisy, with a few 10x slow steps."""
     rng = random.Random(seed)
     for i in range(steps):
         cal.count_step()
         batch, length = batches[i % len(batches)], rng.randrange(4)
         tokens = batch * (1 + length)
-
-        def jitter(t):
-            return t * (10.0 if rng.random() < outliers else 1.0 + rng.uniform(-noise, noise))
-
-        cal.record_step(tokens, jitter(A + B * tokens))
-        if length:
-            cal.record_drafting(length, batch * length, jitter(F0 * length + F1 * batch * length))
+        slow = 10.0 if rng.random() < outliers else 1.0 + rng.uniform(-noise, noise)
+        cal.record_step(tokens, step_time(tokens) * slow)
 
 
-def test_the_fit_recovers_the_costs_of_the_engine_it_timed():
-    cal = CostCalibration(CONFIGURED, steps=300)
+def test_the_fit_recovers_the_target_and_prices_the_drafter_in_its_unit():
+    cal = CostCalibration(CONFIGURED, steps=300, drafter=DRAFTER)
     _serve(cal)
     model = cal.fit()
     unit = A + B  # a one-token step
     assert model.verify_token_cost == pytest.approx(B / unit, rel=0.15)
-    assert model.draft_forward_cost == pytest.approx(F0 / unit, rel=0.15)
-    assert model.draft_cost == pytest.approx(F1 / unit, rel=0.15)
+    assert model.draft_forward_cost == pytest.approx(F0 / unit, rel=0.1)
+    assert model.draft_cost == pytest.approx(F1 / unit, rel=0.1)
     # the measured step: relative costs as the timed engine's own
     for batch, length in ((1, 3), (8, 2)):
         truth = (A + B * batch * (1 + length) + length * (F0 + F1 * batch)) / (A + B * batch)
@@ -48,55 +45,57 @@ def test_the_fit_recovers_the_costs_of_the_engine_it_timed():
 
 
 def test_warmup_steps_and_too_few_timings_give_no_fit():
-    cal = CostCalibration(CONFIGURED, steps=100)
+    cal = CostCalibration(CONFIGURED, steps=100, drafter=DRAFTER)
     for _ in range(WARMUP_STEPS):
         cal.count_step()
         cal.record_step(4, 1.0)
-        cal.record_drafting(1, 1, 1.0)
     assert cal.fit() is None, "warm-up steps are not timings"
     for _ in range(MIN_SAMPLES - 1):
         cal.count_step()
         cal.record_step(4, 1.0)
-        cal.record_drafting(1, 1, 1.0)
     assert cal.fit() is None
     cal.count_step()
     cal.record_step(4, 1.0)
-    cal.record_drafting(1, 1, 1.0)
     assert cal.fit() is not None
 
 
-def test_one_step_size_keeps_the_configured_shape_and_measures_the_drafter_in_its_unit():
-    cal = CostCalibration(CONFIGURED, steps=100)
+def test_one_step_size_keeps_the_configured_shape_and_prices_the_drafter_in_its_unit():
+    cal = CostCalibration(CONFIGURED, steps=100, drafter=DRAFTER)
     for _ in range(WARMUP_STEPS + 40):
         cal.count_step()
         cal.record_step(2, 0.020)  # batch 1, always one draft: the only N is 2
-        cal.record_drafting(1, 1, 0.010)
     model = cal.fit()
     unit = 0.020 / CONFIGURED.target_step(2)
     assert (model.verify_token_cost, model.compute_bound_tokens) == (CONFIGURED.verify_token_cost,
                                                                        CONFIGURED.compute_bound_tokens)
-    # one batch shape: the whole drafting cost is charged per token (the larger cost at bigger batches)
-    assert model.draft_forward_cost == 0.0 and model.draft_cost == pytest.approx(0.010 / unit, rel=1e-6)
+    assert model.draft_forward_cost == pytest.approx(F0 / unit, rel=1e-4)
+    assert model.draft_cost == pytest.approx(F1 / unit, rel=1e-4)
 
 
-def test_a_counted_step_says_when_the_fit_is_due():
+def test_fits_are_due_after_the_steps_then_after_twice_as_many_each_time():
     cal = CostCalibration(CONFIGURED, steps=3)
-    assert [cal.count_step() for _ in range(5)] == [False, False, True, False, False]
+    due = [step for step in range(1, 50) if cal.count_step()]
+    assert due == [3, 6, 12, 24, 48]
+
+
+def test_later_fits_follow_the_engine_and_keep_bounded_timings():
+    """The engine's steps get twice as slow after a while (another tenant, say): a later fit uses the
+    latest timings per size, and no more than KEPT_PER_SIZE of them."""
+    cal = CostCalibration(CONFIGURED, steps=100, drafter=DRAFTER)
+    _serve(cal, steps=400, outliers=0.0)
+    before = cal.fit()
+    _serve(cal, steps=400, outliers=0.0, seed=1, step_time=lambda n: 2 * (A + B * n))
+    after = cal.fit()
+    assert after.draft_forward_cost == pytest.approx(before.draft_forward_cost / 2, rel=0.1)
+    assert all(len(v) <= KEPT_PER_SIZE for v in cal._step_times.values())
 
 
 def test_the_policy_on_measured_costs_drafts_only_where_drafting_pays():
-    """The same acceptance (0.7 per position) under two measured engines: a drafter forward that costs
-    as much as the target's step (never pays) and one that costs 2% of it (pays at batch 1)."""
-    def measured(f0: float) -> StepCostModel:
-        cal = CostCalibration(CONFIGURED, steps=300)
-        rng = random.Random(1)
-        for i in range(300):
-            cal.count_step()
-            batch, length = (1, 4)[i % 2], rng.randrange(4)
-            tokens = batch * (1 + length)
-            cal.record_step(tokens, 0.010 + 0.0002 * tokens)
-            if length:
-                cal.record_drafting(length, batch * length, f0 * length + 0.0001 * batch * length)
+    """The same acceptance (0.7 per position) under two drafters: one whose forward costs as much as
+    the target's step (never pays) and one that costs 2% of it (pays at batch 1)."""
+    def measured(forward: float) -> StepCostModel:
+        cal = CostCalibration(CONFIGURED, steps=300, drafter=DrafterTiming(per_forward=forward, per_request=1e-4))
+        _serve(cal, batches=(1, 4), outliers=0.0, step_time=lambda n: 0.010 + 0.0002 * n)
         return cal.fit()
 
     acceptance = [0.7, 0.7, 0.7]
@@ -104,15 +103,10 @@ def test_the_policy_on_measured_costs_drafts_only_where_drafting_pays():
     assert DraftLengthPolicy(3, measured(0.0002)).best_length(acceptance, batch=1) == 3
 
 
-def test_without_drafting_timings_only_the_target_is_measured():
+def test_without_a_drafter_timing_only_the_target_is_measured():
     cal = CostCalibration(CONFIGURED, steps=300)
-    rng = random.Random(2)
-    for i in range(WARMUP_STEPS + 60):
-        cal.count_step()
-        tokens = (1, 4, 8)[i % 3]
-        cal.record_step(tokens, (A + B * tokens) * (1 + rng.uniform(-0.05, 0.05)))
+    _serve(cal, outliers=0.0)
     model = cal.fit()
-    assert not cal.drafting_measured
     assert model.verify_token_cost == pytest.approx(B / (A + B), rel=0.15)
     assert (model.draft_cost, model.draft_forward_cost) == (CONFIGURED.draft_cost, CONFIGURED.draft_forward_cost)
 
@@ -123,14 +117,8 @@ def test_a_target_that_turns_compute_bound_is_fitted_in_both_regimes():
     def step(n):
         return max(0.010 + 0.0004 * n, 0.0016 * n)
 
-    cal = CostCalibration(CONFIGURED, steps=400)
-    rng = random.Random(3)
-    for i in range(400):
-        cal.count_step()
-        batch, length = (1, 4, 8, 16)[i % 4], rng.randrange(4)
-        cal.record_step(batch * (1 + length), step(batch * (1 + length)) * (1 + rng.uniform(-0.03, 0.03)))
-        if length:
-            cal.record_drafting(length, batch * length, F0 * length + F1 * batch * length)
+    cal = CostCalibration(CONFIGURED, steps=400, drafter=DRAFTER)
+    _serve(cal, batches=(1, 4, 8, 16), steps=400, noise=0.03, outliers=0.0, seed=3, step_time=step)
     model = cal.fit()
     for batch, length in ((1, 1), (1, 3), (4, 2), (8, 1), (16, 3)):
         truth = (step(batch * (1 + length)) + length * (F0 + F1 * batch)) / step(batch)

@@ -10,10 +10,10 @@ CHEAP = StepCostModel(draft_cost=0.02, verify_token_cost=0.045, compute_bound_to
 COMPUTE_BOUND = StepCostModel(draft_cost=0.0, verify_token_cost=0.045, compute_bound_tokens=1)
 
 
-def _step(policy: DraftLengthPolicy, accepted: dict[str, int], batch: int = 1, keys: dict[str, int] | None = None):
+def _step(policy: DraftLengthPolicy, accepted: dict[str, int], batch: int = 1):
     """One engine step: choose lengths, then report ``accepted[r]`` accepted drafts (capped by the length)."""
     req_ids = list(accepted)
-    lengths = policy.lengths(req_ids, [(keys or {}).get(r, 0) for r in req_ids], batch)
+    lengths = policy.lengths(req_ids, batch)
     drafted = [r for r, n in zip(req_ids, lengths) if n]
     policy.drafted(drafted, [n for n in lengths if n])
     policy.observe(req_ids, [[0] * (1 + min(accepted[r], n)) for r, n in zip(req_ids, lengths)])
@@ -73,18 +73,34 @@ def test_recovers_when_acceptance_comes_back():
     assert policy.counters["probes"] > probes
 
 
-def test_probes_are_deterministic_and_staggered_by_request_key():
+def test_probes_are_deterministic_and_fall_on_the_same_steps_for_every_request():
+    """Requests left at 0 probe together, every probe_interval steps, so that they share one drafter
+    forward (a probe of its own each would cost a forward nearly every step at batch 8)."""
     def run():
         policy = DraftLengthPolicy(K, CHEAP, probe_interval=4)
         reqs = {f"r{i}": 0 for i in range(4)}
-        return [_step(policy, reqs, keys={f"r{i}": 1000 + i for i in range(4)}) for _ in range(24)]
+        return [_step(policy, reqs) for _ in range(24)]
 
     first, second = run(), run()
     assert first == second
     late = first[12:]
-    probed_at = {r: [i for i, step in enumerate(late) if step[r]] for r in late[0]}
-    assert all(probed_at.values()), probed_at
-    assert len({tuple(v) for v in probed_at.values()}) == 4, f"requests probe on different steps: {probed_at}"
+    probe_steps = [i for i, step in enumerate(late) if any(step.values())]
+    assert probe_steps and all(all(n == 1 for n in late[i].values()) for i in probe_steps), late
+    assert [b - a for a, b in zip(probe_steps, probe_steps[1:])] == [4] * (len(probe_steps) - 1), probe_steps
+
+
+def test_a_policy_waiting_for_its_costs_drafts_nothing():
+    policy = DraftLengthPolicy(K, CHEAP, probe_interval=1, costs_pending=True)
+    assert [_step(policy, {"a": K}) for _ in range(10)] == [{"a": 0}] * 10 and not policy.may_draft(1)
+    policy.costs, policy.costs_pending = CHEAP, False
+    assert policy.may_draft(1) and _step(policy, {"a": K})["a"] > 0
+
+
+def test_new_costs_are_worked_out_again_for_every_batch_size():
+    policy = DraftLengthPolicy(K, CHEAP)
+    assert policy.may_draft(1)
+    policy.costs = COMPUTE_BOUND
+    assert not policy.may_draft(1) and _step(policy, {"a": K})["a"] == 0
 
 
 def test_new_requests_start_from_the_pooled_estimate():
@@ -92,7 +108,7 @@ def test_new_requests_start_from_the_pooled_estimate():
     assert _step(policy, {"first": K})["first"] > 0, "before any data the prior drafts"
     for i in range(60):
         _step(policy, {f"old{i}": 0})
-    assert policy.lengths(["new"], [1], 1) == [0], "a pair that never accepts: new requests start without drafts"
+    assert policy.lengths(["new"], 1) == [0], "a pair that never accepts: new requests start without drafts"
 
 
 def test_requests_without_evidence_keep_their_estimate():
@@ -111,4 +127,4 @@ def test_requests_without_evidence_keep_their_estimate():
 def test_fixed_length_is_k():
     fixed = FixedLength(3)
     fixed.observe(["a"], [[1]])
-    assert fixed.lengths(["a", "b"], [0, 1], 64) == [3, 3]
+    assert fixed.lengths(["a", "b"], 64) == [3, 3]

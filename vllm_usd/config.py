@@ -40,18 +40,20 @@ class UsdConfig:
     adaptive_length:       choose each request's draft length 0..k every step (vllm_usd/drafting/length_policy.py);
                            false: always k (num_speculative_tokens).
     draft_cost:            the policy's cost of one drafter forward for one request, relative to a plain
-                           target step at batch 1; null (default): 0.05 + 0.2 x drafter bytes / target bytes.
+                           target step at batch 1; null (default): measured (cost_calibration_steps), or with
+                           cost_calibration_steps 0, 0.05 + 0.2 x drafter bytes / target bytes.
     verify_token_cost:     the policy's extra cost of one more verified token, in the same unit, while
                            the target is not compute-bound (default 0.045: 3 more tokens cost 1.13x).
     compute_bound_tokens:  tokens per target step past which each one costs 1/compute_bound_tokens of a
                            plain batch-1 step (default 5).
-    cost_calibration_steps: with draft_cost null, the policy's costs are measured on this engine over
-                           its first this many steps (target step time against tokens, drafting time
-                           against forwards and tokens: vllm_usd/drafting/cost_calibration.py) and replace
-                           the configured ones; tensor-parallel ranks all take rank 0's (default 0: off; see
-                           the README for why it is opt-in).
-    probe_interval:        a request left without drafts gets one draft every this many of its steps,
-                           where drafting could pay at all (default 8).
+    cost_calibration_steps: with draft_cost null, the policy's costs are measured on this engine: the
+                           drafter's forward at start-up (vllm_usd/drafting/drafter_timing.py), the target's
+                           step against its tokens over the first this many engine steps, and again after
+                           2x, 4x, ... as many (vllm_usd/drafting/cost_calibration.py). No request drafts
+                           before the first fit. Tensor-parallel ranks all take rank 0's costs (default 48;
+                           0: the configured costs throughout).
+    probe_interval:        requests left without drafts get one draft every this many steps (all in the
+                           same step), where drafting could pay at all (default 8).
     draft_mode:            "auto" (default): string-level drafting for greedy requests (their drafter context
                            is their text as the drafter's tokenizer cuts it), intersection
                            drafting with q (TLI) for sampled ones; "tli": TLI for all; "string": string-level
@@ -79,7 +81,7 @@ class UsdConfig:
     draft_cost: float | None = None
     verify_token_cost: float = 0.045
     compute_bound_tokens: float = 5.0
-    cost_calibration_steps: int = 0
+    cost_calibration_steps: int = 48
     probe_interval: int = 8
     draft_mode: str = "auto"
     string_draft_tokens: int | None = None

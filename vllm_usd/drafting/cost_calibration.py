@@ -2,8 +2,9 @@
 
 The configured costs (``usd.draft_cost``, ``verify_token_cost``, ``compute_bound_tokens``)
 are estimates from weight sizes and from one CPU; a GPU, another target or another drafter
-runtime can be far from them. ``CostCalibration`` records two kinds of timings over the first
-steps an engine serves and fits a ``StepCostModel`` to them:
+runtime can be far from them. The drafter's forward is timed once at start-up
+(``drafter_timing.py``); ``CostCalibration`` times the target's step while the engine serves
+and puts both in one unit:
 
 * the target's step: seconds from the end of one propose to the start of the next (target
   forward, sampling, scheduling), against the tokens the step computed, in steps where every
@@ -11,78 +12,73 @@ steps an engine serves and fits a ``StepCostModel`` to them:
   time at each N (medians: a pause or a slow step is not a trend) in the configured shape:
   t(N) = max(a + b N, s N), a line while reading the weights dominates, proportional once
   compute-bound.
-* drafting: seconds of the proposer's drafting work in a step, against its draft positions
-  (drafter forwards) and drafted tokens (the caller records TLI steps only): d = f0 positions + f1 tokens, least squares on the
-  medians of each (positions, tokens), both terms at least 0.
 
 In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b),
 ``compute_bound_tokens`` (a + b) / s (unbounded where no measured size is compute-bound),
-``draft_forward_cost`` f0 / (a + b) and ``draft_cost`` f1 / (a + b). A term the timings cannot
-tell keeps its configured value: with one N only, the configured target model is kept and
-only the drafting costs are measured, in its units; where tokens grow with positions in one
-ratio (a single batch size), the whole drafting cost is charged per token (the larger cost
-once batches grow).
+``draft_forward_cost`` and ``draft_cost``: the drafter timing's per-forward and per-request
+seconds over a + b. With one N only, the configured shape is kept, scaled to the time measured
+at that N.
 
-A window without drafting timings (the configured costs chose no drafts) measures only the
-target; the caller then opens another window on the new model, where drafting may pay.
-Rank 0's fit is the one used, broadcast by the caller: timings differ between ranks.
+The first fit is due after ``steps`` engine steps; later fits at twice as many steps each time
+(2x, 4x, ...), over every timing kept so far (the latest ``KEPT_PER_SIZE`` per N), so sizes the
+engine reaches later (a bigger batch, steps with drafts) come into the model. Rank 0's fit is
+the one used, broadcast by the caller: timings differ between ranks.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import replace
 
+from vllm_usd.drafting.drafter_timing import DrafterTiming
 from vllm_usd.drafting.length_policy import StepCostModel
 
 WARMUP_STEPS = 16  # the first steps of an engine run slow (allocations, first calls): not recorded
-MIN_SAMPLES = 8  # a fit needs at least this many timings of its kind
+MIN_SAMPLES = 8  # a fit needs at least this many timings
+KEPT_PER_SIZE = 64  # the latest timings kept per step size: the fits follow the engine, memory stays bounded
 UNBOUNDED_TOKENS = 1e9  # compute_bound_tokens of a line: no compute-bound regime past it
 
 
 class CostCalibration:
-    """Collects step and drafting timings for ``steps`` engine steps, then fits the costs."""
+    """Collects the target's step timings and fits the policy's costs after ``steps`` engine steps,
+    then again after 2, 4, 8, ... times as many."""
 
-    def __init__(self, configured: StepCostModel, steps: int) -> None:
+    def __init__(self, configured: StepCostModel, steps: int, drafter: DrafterTiming | None = None) -> None:
         self.configured = configured
-        self.steps = steps
+        self.steps = max(int(steps), 1)
+        self.drafter = drafter
         self.seen = 0
-        self.drafting_measured = False
-        self._step_times: dict[int, list[float]] = defaultdict(list)  # tokens -> seconds
-        self._draft_times: dict[tuple[int, int], list[float]] = defaultdict(list)  # (positions, tokens) -> s
+        self._next_fit = self.steps
+        self._step_times: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=KEPT_PER_SIZE))
 
     def count_step(self) -> bool:
-        """One more engine step seen; True at the step after which the fit is due."""
+        """One more engine step seen; True at a step after which a fit is due."""
         self.seen += 1
-        return self.seen == self.steps
+        if self.seen < self._next_fit:
+            return False
+        self._next_fit *= 2
+        return True
 
     def record_step(self, tokens: int, seconds: float) -> None:
         if self.seen > WARMUP_STEPS and tokens > 0 and seconds > 0:
             self._step_times[tokens].append(seconds)
 
-    def record_drafting(self, positions: int, tokens: int, seconds: float) -> None:
-        if self.seen > WARMUP_STEPS and positions > 0 and tokens > 0 and seconds > 0:
-            self._draft_times[(positions, tokens)].append(seconds)
-
     # -- the fit ------------------------------------------------------------------------------
     def fit(self) -> StepCostModel | None:
         """The measured model, or None where the target's steps were too few to measure.
 
-        Without drafting timings (the configured costs drafted nothing) the drafting costs stay
-        the configured ones, relative to the measured step; ``drafting_measured`` says which.
+        Without a drafter timing the drafting costs stay the configured ones, relative to the
+        measured step.
         """
         target = self._fit_target()
         if target is None:
             return None
         unit, model = target
-        drafting = self._fit_drafting()
-        self.drafting_measured = drafting is not None
-        if drafting is None:
+        if self.drafter is None:
             return model
-        f0, f1 = drafting
-        return replace(model, draft_forward_cost=round(f0 / unit, 6), draft_cost=round(f1 / unit, 6))
+        return replace(model, draft_forward_cost=round(self.drafter.per_forward / unit, 6),
+                       draft_cost=round(self.drafter.per_request / unit, 6))
 
     def _fit_target(self) -> tuple[float, StepCostModel] | None:
         """(seconds of a one-token step, the target part of the model in that unit).
@@ -118,23 +114,6 @@ class CostCalibration:
         model = replace(self.configured, verify_token_cost=round(b / unit, 6), compute_bound_tokens=round(bound, 4))
         return unit, model
 
-    def _fit_drafting(self) -> tuple[float, float] | None:
-        """(seconds per drafter forward, seconds per drafted token)."""
-        if sum(len(v) for v in self._draft_times.values()) < MIN_SAMPLES:
-            return None
-        rows = [(p, n, statistics.median(v), len(v)) for (p, n), v in sorted(self._draft_times.items())]
-        ratios = [n / p for p, n, _, _ in rows]
-        if max(ratios) <= 1.05 * min(ratios):  # one batch shape: all per token
-            return 0.0, sum(w * d * n for p, n, d, w in rows) / sum(w * n * n for p, n, d, w in rows)
-        f0, f1 = _two_terms(rows)
-        if f0 < 0 or f1 < 0:  # the better of the one-term fits
-            only_f0 = sum(w * d * p for p, n, d, w in rows) / sum(w * p * p for p, n, d, w in rows)
-            only_f1 = sum(w * d * n for p, n, d, w in rows) / sum(w * n * n for p, n, d, w in rows)
-            err0 = sum(w * (d - only_f0 * p) ** 2 for p, n, d, w in rows)
-            err1 = sum(w * (d - only_f1 * n) ** 2 for p, n, d, w in rows)
-            f0, f1 = (only_f0, 0.0) if err0 < err1 else (0.0, only_f1)
-        return f0, f1
-
 
 # The target's fits weigh each size's median by its count over its square: relative errors.
 def _weighted_mean(points: list[tuple[int, float, int]]) -> float:
@@ -155,18 +134,3 @@ def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
 def _through_origin(points: list[tuple[int, float, int]]) -> float:
     """Least squares t = s n, in relative error."""
     return sum(w / t * n for n, t, w in points) / sum(w / (t * t) * n * n for n, t, w in points)
-
-
-def _two_terms(rows: list[tuple[int, int, float, int]]) -> tuple[float, float]:
-    """Weighted least squares d = f0 p + f1 n (no intercept)."""
-    spp = sum(w * p * p for p, n, d, w in rows)
-    snn = sum(w * n * n for p, n, d, w in rows)
-    spn = sum(w * p * n for p, n, d, w in rows)
-    spd = sum(w * p * d for p, n, d, w in rows)
-    snd = sum(w * n * d for p, n, d, w in rows)
-    det = spp * snn - spn * spn
-    if not abs(det) > 1e-12 * max(spp * snn, 1e-300):
-        return 0.0, snd / snn
-    f0 = (spd * snn - snd * spn) / det
-    f1 = (snd * spp - spd * spn) / det
-    return (f0, f1) if math.isfinite(f0) and math.isfinite(f1) else (0.0, snd / snn)

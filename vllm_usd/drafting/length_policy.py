@@ -10,15 +10,17 @@ R(L) is the step's cost when the batch drafts L per request, relative to the
 plain target step (``StepCostModel``: configured, then measured while serving,
 ``cost_calibration.py``). L = 0 scores exactly 1, so a length is
 chosen only when it beats the target alone; then the drafter does no work for
-the request. A request left at 0 is probed with one draft every
-``probe_interval`` of its steps, but only where drafting could pay at all
-(perfect acceptance would beat the target alone), so that its estimate cannot
-freeze at 0.
+the request. Requests left at 0 are probed with one draft every
+``probe_interval`` steps of the policy, all in the same step so that they share
+one drafter forward, and only where drafting could pay at all (perfect
+acceptance would beat the target alone), so that their estimates cannot freeze
+at 0. A policy whose costs are still being measured (``costs_pending``) drafts
+nothing: no length is known to pay yet.
 
 Determinism: the choice depends only on acceptance counts (from the tokens
-every rank samples alike), the batch size, the cost model and the request's
-key: never on this rank's timings, randomness or this step's target output.
-The measured cost model is rank 0's, broadcast once to every rank, so every
+every rank samples alike), the batch size, the cost model and the number of
+steps: never on this rank's timings, randomness or this step's target output.
+The measured cost model is rank 0's, broadcast to every rank, so every
 tensor-parallel rank chooses the same lengths.
 """
 
@@ -96,11 +98,10 @@ class _Acceptance:
 
 
 class _RequestRecord:
-    __slots__ = ("counts", "steps", "drafted")
+    __slots__ = ("counts", "drafted")
 
     def __init__(self, k: int) -> None:
         self.counts = _Acceptance(k)
-        self.steps = 0  # this request's steps seen by the policy
         self.drafted = 0  # drafts handed over last step (0: nothing to observe)
 
 
@@ -108,17 +109,32 @@ class DraftLengthPolicy:
     """Chooses each request's draft length from its past acceptance and the step's cost."""
 
     def __init__(self, k: int, costs: StepCostModel | None = None, *, probe_interval: int = 8,
-                 counters: MutableMapping[str, int] | None = None) -> None:
+                 costs_pending: bool = False, counters: MutableMapping[str, int] | None = None) -> None:
         self.k = k
+        self._pays: dict[int, bool] = {}  # batch size -> whether any length could pay there
         self.costs = costs or StepCostModel()
+        self.costs_pending = costs_pending
         self.probe_interval = max(int(probe_interval), 1)
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
         self._pool = _Acceptance(k, INITIAL_WEIGHT, INITIAL_WEIGHT * INITIAL_ACCEPTANCE)
         self._records: dict[str, _RequestRecord] = {}
+        self._steps = 0  # steps observed: probes fall on the same steps for every request
+
+    @property
+    def costs(self) -> StepCostModel:
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: StepCostModel) -> None:
+        """New costs (measured ones, say): whether a batch size can pay is worked out again."""
+        self._costs = costs
+        self._pays.clear()
 
     # -- what happened last step -----------------------------------------------------------
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
-        """Row i of the batch emitted ``sampled_token_ids[i]``: its accepted drafts and one more token."""
+        """Row i of the batch emitted ``sampled_token_ids[i]``: its accepted drafts and one more token.
+        Called once per engine step."""
+        self._steps += 1
         for req_id, sampled in zip(req_ids, sampled_token_ids):
             record = self._records.get(req_id)
             if record is None or not record.drafted:
@@ -176,31 +192,28 @@ class DraftLengthPolicy:
                 best, best_score = length, score
         return best
 
-    def _probe_pays(self, batch: int) -> bool:
-        return self.best_length([1.0] * self.k, batch) > 0
-
     def may_draft(self, batch: int) -> bool:
-        """False where no request can get a draft at this batch size: not even perfect acceptance
-        would beat the target alone, so every length is 0 and the step needs no per-request work."""
-        return self._probe_pays(batch)
+        """False where no request can get a draft at this batch size: the costs are still being
+        measured, or not even perfect acceptance would beat the target alone. Every length is 0
+        then, and the step needs no per-request work."""
+        if self.costs_pending:
+            return False
+        pays = self._pays.get(batch)
+        if pays is None:
+            pays = self._pays[batch] = self.best_length([1.0] * self.k, batch) > 0
+        return pays
 
-    def lengths(self, req_ids: Sequence[str], keys: Sequence[int], batch: int) -> list[int]:
-        """This step's length for each request (``keys``: the requests' stable keys, equal on every rank).
-
-        ``batch``: requests in the target's step (drafted or not).
-        """
+    def lengths(self, req_ids: Sequence[str], batch: int) -> list[int]:
+        """This step's length for each request. ``batch``: requests in the target's step (drafted or not)."""
+        if not self.may_draft(batch):
+            return [0] * len(req_ids)
+        probe_step = self._steps % self.probe_interval == 0
         out: list[int] = []
-        probe_pays: bool | None = None
-        for req_id, key in zip(req_ids, keys):
-            record = self._record(req_id)
-            record.steps += 1
+        for req_id in req_ids:
             length = self.best_length(self.acceptance(req_id), batch)
-            if length == 0 and (record.steps + key) % self.probe_interval == 0:
-                if probe_pays is None:
-                    probe_pays = self._probe_pays(batch)
-                if probe_pays:
-                    length = 1
-                    self.counters["probes"] = self.counters.get("probes", 0) + 1
+            if length == 0 and probe_step:
+                length = 1
+                self.counters["probes"] = self.counters.get("probes", 0) + 1
             out.append(length)
         return out
 
@@ -223,5 +236,5 @@ class FixedLength:
     def may_draft(self, batch: int) -> bool:
         return True
 
-    def lengths(self, req_ids: Sequence[str], keys: Sequence[int], batch: int) -> list[int]:
+    def lengths(self, req_ids: Sequence[str], batch: int) -> list[int]:
         return [self.k] * len(req_ids)

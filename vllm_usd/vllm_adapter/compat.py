@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
 
 from vllm_usd.drafting.requests import NO_LIMIT, RequestSampling
 
@@ -161,18 +161,32 @@ def decode_step_tokens(scheduler_output) -> int | None:
     return int(sum(counts.values()))
 
 
-def tp_broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every tensor-parallel rank (every rank must call it at the same step);
-    ``obj`` itself without tensor parallelism."""
+def _tp_group():
+    """vLLM's tensor-parallel group, or None without model-parallel groups (one process)."""
     try:
         from vllm.distributed.parallel_state import get_tp_group
 
-        group = get_tp_group()
-    except Exception:  # noqa: BLE001 - no model-parallel groups (one process): nothing to share
-        return obj
-    if group.world_size == 1:
+        return get_tp_group()
+    except Exception:  # noqa: BLE001 - no model-parallel groups: nothing to share
+        return None
+
+
+def tp_broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every tensor-parallel rank (every rank must call it at the same step);
+    ``obj`` itself without tensor parallelism."""
+    group = _tp_group()
+    if group is None or group.world_size == 1:
         return obj
     return group.broadcast_object(obj, src=0)
+
+
+def computed_on_tp_rank0(compute: Callable[[], Any]) -> Any:
+    """``compute()`` run on the tensor-parallel group's rank 0 only, its result taken by every rank
+    (every rank must call this at the same point; ``compute`` must not raise, or the others wait)."""
+    group = _tp_group()
+    if group is None or group.world_size == 1:
+        return compute()
+    return group.broadcast_object(compute() if group.rank_in_group == 0 else None, src=0)
 
 
 def worker_drafter(worker) -> Any:

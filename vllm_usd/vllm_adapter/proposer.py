@@ -23,6 +23,7 @@ from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthPolicy, DraftRows, FixedLength, IntersectionDrafting, PhaseTimer,
                                RequestTable, StepCostModel, StepDigests)
 from vllm_usd.drafting.cost_calibration import CostCalibration
+from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, DrafterTiming, time_drafter
 from vllm_usd.drafting.length_policy import draft_cost_from_weights
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
@@ -30,8 +31,6 @@ from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
 logger = logging.getLogger("vllm.usd")
-
-MAX_CALIBRATION_WINDOWS = 4  # windows of usd.cost_calibration_steps steps, until drafting was timed in one
 
 
 class UniversalProposer:
@@ -88,9 +87,9 @@ class UniversalProposer:
             counters=self.requests.counters,
         ) if drafts_text else None
         self.policy = self._length_policy(target_bytes=0)
-        self._calibration = self._cost_calibration()
+        self._calibration: CostCalibration | None = None  # set up in load_model, with the drafter's timing
+        self.drafter_timing: DrafterTiming | None = None
         self.costs_measured = False
-        self._calibration_windows = 0
         self.rank = compat.tp_rank()
         self._digests = StepDigests()
         self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device)
@@ -115,8 +114,15 @@ class UniversalProposer:
         target = compat.target_max_model_len(vllm_config)
         return 2 * target + self.k if target else 1 << 30
 
+    @property
+    def _measures_costs(self) -> bool:
+        """usd.cost_calibration_steps with draft_cost null: the policy's costs are measured on this engine."""
+        cfg = self.config
+        return cfg.adaptive_length and cfg.draft_cost is None and cfg.cost_calibration_steps > 0
+
     def _length_policy(self, target_bytes: int) -> DraftLengthPolicy | FixedLength:
-        """usd.adaptive_length: the draft-length policy, its costs from the settings and the weights' sizes."""
+        """usd.adaptive_length: the draft-length policy, its costs from the settings and the weights' sizes
+        (to be measured, where ``_measures_costs``: until then it drafts nothing)."""
         cfg = self.config
         if not cfg.adaptive_length:
             return FixedLength(self.k)
@@ -125,16 +131,22 @@ class UniversalProposer:
             draft_cost = draft_cost_from_weights(self.runtime.param_bytes, target_bytes)
         costs = StepCostModel(draft_cost=float(draft_cost), verify_token_cost=float(cfg.verify_token_cost),
                               compute_bound_tokens=float(cfg.compute_bound_tokens))
-        return DraftLengthPolicy(self.k, costs, probe_interval=cfg.probe_interval, counters=self.requests.counters)
+        return DraftLengthPolicy(self.k, costs, probe_interval=cfg.probe_interval, counters=self.requests.counters,
+                                 costs_pending=self._measures_costs)
 
-    def _cost_calibration(self) -> CostCalibration | None:
-        """usd.cost_calibration_steps: measure the policy's costs, where they are not configured."""
-        cfg = self.config
-        if not isinstance(self.policy, DraftLengthPolicy) or cfg.draft_cost is not None:
-            return None
-        if cfg.cost_calibration_steps <= 0:
-            return None
-        return CostCalibration(self.policy.costs, cfg.cost_calibration_steps)
+    def _time_drafter(self) -> DrafterTiming | None:
+        """The drafter's forward cost, timed on the tensor-parallel group's rank 0 and taken by every rank."""
+        def timed() -> DrafterTiming | None:
+            ids = self.mapping.draft_ids.tolist()
+            middle = len(ids) // 2  # ordinary tokens (the lowest ids are often specials and bytes)
+            try:
+                return time_drafter(self.runtime, ids[middle:middle + CONTEXT_TOKENS] or ids)
+            except Exception as exc:  # noqa: BLE001 - the configured drafting costs stay
+                logger.warning("vllm-usd: timing the drafter failed (%s); the policy prices it from the "
+                               "weights' sizes", exc)
+                return None
+
+        return compat.computed_on_tp_rank0(timed)
 
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
@@ -145,7 +157,12 @@ class UniversalProposer:
         """
         if self.config.adaptive_length and self.config.draft_cost is None:
             self.policy = self._length_policy(compat.module_param_bytes(target_model))
-            self._calibration = self._cost_calibration()
+        if self._measures_costs:
+            self.drafter_timing = self._time_drafter()
+            self._calibration = CostCalibration(self.policy.costs, self.config.cost_calibration_steps,
+                                                drafter=self.drafter_timing)
+            logger.info("vllm-usd: drafter forward timed at start-up: %s; no drafts until the target's step "
+                        "is measured (%d steps)", self.drafter_timing, self.config.cost_calibration_steps)
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
         self._runner = runner
@@ -185,6 +202,7 @@ class UniversalProposer:
             "draft_cost": getattr(getattr(self.policy, "costs", None), "draft_cost", None),
             "costs": dataclasses.asdict(self.policy.costs) if hasattr(self.policy, "costs") else None,
             "costs_measured": self.costs_measured,
+            "drafter_timing": dataclasses.asdict(self.drafter_timing) if self.drafter_timing else None,
         }
 
     # -- one step ------------------------------------------------------------------------------
@@ -210,13 +228,8 @@ class UniversalProposer:
             rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, num_rows)
             drafts: list[list[int]] = [[] for _ in range(num_rows)]
             if len(rows):
-                drafting_started = time.perf_counter()
                 parts, batch = self._draft(rows, lengths)
                 self._hand_over(parts, batch, drafts)
-                if self._calibration is not None and len(parts) == 1 and batch is not None:
-                    # TLI rows only: a string row's work is its budget of drafter tokens, whatever its length
-                    self._calibration.record_drafting(max(lengths), sum(lengths),
-                                                      time.perf_counter() - drafting_started)
             return drafts
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             self._recover(exc, num_rows)
@@ -227,35 +240,30 @@ class UniversalProposer:
                 self.timer.add("propose_total", self._last_end - started)
 
     def _calibrate(self, started: float) -> None:
-        """Record the target's step that just ran; after usd.cost_calibration_steps steps, every rank
-        takes rank 0's measured costs (vLLM calls every rank's propose at every step)."""
+        """Record the target's step that just ran; where a fit is due, every rank takes rank 0's
+        (vLLM calls every rank's propose at every step, so every rank reaches the broadcast alike)."""
         calibration = self._calibration
         tokens = compat.decode_step_tokens(self._scheduler_output)
         if tokens is not None and self._last_end is not None:
             calibration.record_step(tokens, started - self._last_end)
         if not calibration.count_step():
             return
-        self._calibration = None
         try:  # every rank fits its own timings ...
-            fitted = (calibration.fit(), calibration.drafting_measured)
-        except Exception as exc:  # noqa: BLE001 - the configured costs stay
+            fitted = calibration.fit()
+        except Exception as exc:  # noqa: BLE001 - the costs in use stay
             logger.warning("vllm-usd: fitting the draft-length costs failed (%s)", exc)
-            fitted = (None, False)
+            fitted = None
         try:  # ... and every rank calls the broadcast, which keeps the tensor-parallel group's rank 0's
-            measured, drafting_measured = compat.tp_broadcast_from_rank0(fitted)
-        except Exception as exc:  # noqa: BLE001 - the configured costs stay
-            logger.warning("vllm-usd: sharing the measured draft-length costs failed (%s); the configured ones "
-                           "stay", exc)
+            measured = compat.tp_broadcast_from_rank0(fitted)
+        except Exception as exc:  # noqa: BLE001 - the costs in use stay
+            logger.warning("vllm-usd: sharing the measured draft-length costs failed (%s)", exc)
             return
-        self._calibration_windows += 1
-        again = self._calibration_windows < MAX_CALIBRATION_WINDOWS
-        if measured is not None:
-            self.policy.costs, self.costs_measured = measured, True
-        logger.info("vllm-usd: draft-length costs after %d steps: %s%s", calibration.steps,
-                    measured if measured is not None else "too few timings, the configured ones stay",
-                    "" if drafting_measured else " (no drafting to time" + ("; measuring again)" if again else ")"))
-        if again and not drafting_measured:  # measure again on the new costs, where drafting may pay
-            self._calibration = CostCalibration(self.policy.costs, calibration.steps)
+        if measured is None:
+            logger.info("vllm-usd: after %d steps, too few decode steps were timed to measure the draft-length "
+                        "costs; trying again later", calibration.seen)
+            return
+        self.policy.costs, self.policy.costs_pending, self.costs_measured = measured, False, True
+        logger.info("vllm-usd: draft-length costs measured after %d steps: %s", calibration.seen, measured)
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        token_ids: np.ndarray, batch: int) -> tuple[DraftRows, list[int]]:
@@ -284,7 +292,7 @@ class UniversalProposer:
     def _length_of(self, batch: int):
         """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
         def length_of(req_id: str, state) -> int:
-            n = self.policy.lengths([req_id], [state.key], batch)[0]
+            n = self.policy.lengths([req_id], batch)[0]
             if n == 0:
                 self.counters["length_0"] += 1
             return n

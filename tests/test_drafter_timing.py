@@ -1,0 +1,86 @@
+"""time_drafter: the drafter's forward cost at start-up, on a runtime with a known cost and on the
+tiny drafter's real runtime. No engine."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafting.drafter_timing import DrafterTiming, time_drafter
+
+
+class CostedRuntime(DrafterRuntime):
+    """A runtime whose one-token forward of B requests advances a clock by f0 + f1 B (a prefill by more)."""
+
+    def __init__(self, f0: float, f1: float, max_requests: int = 64) -> None:
+        self._tokens = {}
+        self.f0, self.f1, self.max_requests = f0, f1, max_requests
+        self.now = 0.0
+        self.num_outputs, self.max_len = 8, 1 << 20
+        self.batches: list[int] = []
+
+    kv_bytes = 0
+    param_bytes = 0
+
+    def set_output_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def _claim(self, req_id: str) -> bool:
+        return len(self._tokens) < self.max_requests
+
+    def _release(self, req_id: str) -> None:
+        pass
+
+    def forward(self, req_ids: Sequence[str], keep: Sequence[int], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        for r, n, new in zip(req_ids, keep, new_tokens):
+            assert n == len(self._tokens[r]), "the timing appends to what the runtime holds"
+            self._tokens[r] = self._tokens[r] + list(new)
+        first = 10.0 if len(self.batches) < 2 or self.batches[-1] != len(req_ids) else 1.0  # warm-up is slow
+        self.now += first * (self.f0 + self.f1 * len(req_ids)) * max(len(new) for new in new_tokens)
+        self.batches.append(len(req_ids))
+        return torch.zeros(len(req_ids), self.num_outputs)
+
+
+def test_the_shared_and_per_request_costs_are_recovered_and_the_requests_freed():
+    runtime = CostedRuntime(f0=0.004, f1=0.0005)
+    timing = time_drafter(runtime, [5, 6, 7], clock=lambda: runtime.now)
+    assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0005)
+    assert timing.seconds(8) == pytest.approx(0.008)
+    assert runtime.num_requests == 0, "the throw-away requests are gone"
+    assert sorted(set(runtime.batches)) == [1, 4, 16]
+
+
+def test_batch_sizes_the_runtime_cannot_hold_are_skipped():
+    runtime = CostedRuntime(f0=0.004, f1=0.0005, max_requests=4)
+    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    assert max(runtime.batches) == 4 and runtime.num_requests == 0
+    assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0005)
+    one = CostedRuntime(f0=0.004, f1=0.0005, max_requests=1)
+    assert time_drafter(one, [5], clock=lambda: one.now) == DrafterTiming(per_forward=pytest.approx(0.0045),
+                                                                          per_request=0.0)
+    assert time_drafter(CostedRuntime(0.004, 0.0005, max_requests=0), [5]) is None
+
+
+def test_a_cost_that_does_not_grow_with_the_batch_is_all_per_forward():
+    runtime = CostedRuntime(f0=0.004, f1=0.0)
+    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_tiny_drafters_runtime_is_timed_and_left_as_it_was():
+    from tests.fixtures import tiny
+    from vllm_usd.drafter.select import choose, open_drafter
+
+    _, drafter = tiny.build_distribution_pair()
+    opened = open_drafter(drafter, choose(drafter, runtime="transformers", dtype="float32", gguf=None,
+                                          device=torch.device("cpu"), gguf_type="auto"),
+                          max_len=256, max_requests=8, kv_budget_bytes=1 << 26)
+    runtime = opened.runtime
+    runtime.add("live")
+    runtime.forward(["live"], [0], [[3, 4, 5]])
+    timing = time_drafter(runtime, list(range(10, 40)))
+    assert timing is not None and timing.seconds(1) > 0 and timing.seconds(8) >= timing.seconds(1)
+    assert runtime.num_requests == 1 and runtime.cached_tokens("live") == [3, 4, 5]
