@@ -6,10 +6,8 @@ tokens after the committed boundary are the draft, except the last one: more
 text could still grow it, so it is held back unless the text is final (the
 drafter ended it with a special token the target shares). If the re-encoding
 would put a token across the committed boundary, or would not reproduce the
-last committed token (a run of newlines the draft lengthens, say), the target
-tokenizer would have cut the committed text differently. The committed tokens
-stand all the same, so the target writes on from a boundary after them: the
-draft is then encoded on its own, from that fresh boundary.
+last committed token, the target tokenizer would rewrite what is committed:
+nothing is proposed then.
 
 Proposals need not be right to be safe: the target verifies every one.
 What this module decides is only how many get accepted.
@@ -35,7 +33,6 @@ class TargetRetokenizer:
         self._encoder = FragmentEncoder(target_tokenizer, table)
         self._bytes = table.token_bytes
         self._window = max(int(window_tokens), 1)
-        self.fresh_boundaries = 0  # drafts encoded on their own, after a window whose cut they would change
 
     def _bytes_of(self, tid: int) -> bytes:
         return self._bytes[tid] if 0 <= tid < len(self._bytes) else b""
@@ -60,8 +57,7 @@ class TargetRetokenizer:
         return tail[-self._window:]
 
     def continuation(self, window: Sequence[int], text: bytes, final: bool) -> list[int] | None:
-        """The target ids that ``text`` determines after ``window``; None when the target tokenizer
-        normalises the text so that its tokens no longer spell it.
+        """The target ids that ``text`` determines after ``window``; None when the committed ones would change.
 
         ``final``: nothing follows ``text`` (the drafter ended it), so its last token is kept.
         An incomplete UTF-8 character at the end of ``text`` waits for the rest of its bytes.
@@ -69,24 +65,16 @@ class TargetRetokenizer:
         upto = complete_utf8_prefix(text)
         if upto < len(text):
             final = False
-        draft = text[:upto]
-        new = self._after_window(window, draft)
-        if new is None:  # the window's cut would change: the committed tokens stand, the draft starts afresh
-            self.fresh_boundaries += 1
-            new = self._encoder.encode(draft)
-        if new and b"".join(self._bytes_of(t) for t in new) != draft:
-            return None  # the tokenizer normalised the text: its tokens do not spell the draft
-        return new if final else new[:-1]
-
-    def _after_window(self, window: Sequence[int], draft: bytes) -> list[int] | None:
-        """The tokens after the committed boundary when ``window`` and ``draft`` are encoded together;
-        None when that encoding puts a token across the boundary or changes the last committed token."""
         committed = b"".join(self._bytes_of(t) for t in window)
-        encoded = self._encoder.encode(committed + draft)
+        encoded = self._encoder.encode(committed + text[:upto])
+        # the committed boundary must fall between two re-encoded tokens, after the last committed token
         consumed, i = 0, 0
         while i < len(encoded) and consumed < len(committed):
             consumed += len(self._bytes_of(encoded[i]))
             i += 1
         if consumed != len(committed) or (window and (i == 0 or encoded[i - 1] != window[-1])):
             return None
-        return list(encoded[i:])
+        new = list(encoded[i:])
+        if new and b"".join(self._bytes_of(t) for t in new) != text[:upto]:
+            return None  # the tokenizer normalised the text: its tokens do not spell the draft
+        return new if final else new[:-1]

@@ -4,8 +4,8 @@ The drafter drafts greedily in its whole vocabulary, batched across requests.
 After each drafter token, each request's drafted bytes are re-encoded by the
 target tokenizer over a short window (``TargetRetokenizer``); a request stops
 drafting once its text determines its length of target tokens, when the
-target tokenizer's tokens no longer spell the text, at a special token, or at
-the drafter-token budget. The drafts carry no q: vLLM verifies them as point masses,
+re-encoding would rewrite committed tokens, at a special token, or at the
+drafter-token budget. The drafts carry no q: vLLM verifies them as point masses,
 which is exact for greedy requests and lossless (if less accepting) for sampled ones.
 """
 
@@ -98,12 +98,9 @@ class StringDrafting:
             return False
         if not new and not final:
             return True  # still inside the target's pending bytes
-        fresh = self.retokenizer.fresh_boundaries
         ids = self.retokenizer.continuation(row.window, new, final) if new else []
-        if self.retokenizer.fresh_boundaries != fresh:
-            self.counters["string_fresh_boundaries"] += 1
         if ids is None:
-            self.counters["string_unspelled"] += 1
+            self.counters["string_rewrites"] += 1
             row.proposed = []
             return False
         if final and complete_utf8_prefix(new) == len(new):
