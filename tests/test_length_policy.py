@@ -128,3 +128,11 @@ def test_fixed_length_is_k():
     fixed = FixedLength(3)
     fixed.observe(["a"], [[1]])
     assert fixed.lengths(["a", "b"], 64) == [3, 3]
+
+
+def test_a_forward_past_the_draft_is_priced():
+    """String rows write one drafter token past their last proposed one: with a drafter forward at 0.4
+    of a target step and 0.5 acceptance, one draft pays in one forward (1.5 / 1.445) but not in two."""
+    policy = DraftLengthPolicy(1, StepCostModel(draft_cost=0.4))
+    assert policy.best_length([0.5], batch=1) == 1
+    assert policy.best_length([0.5], batch=1, extra_forwards=1) == 0

@@ -297,3 +297,14 @@ def test_text_rows_read_their_text_as_the_drafter_cuts_it_and_tli_rows_the_share
     runner.step(p, {})
     assert p.requests.get("g").translator.draft_ids == translated(prompt, True)
     assert p.requests.get("s").translator.draft_ids == translated(prompt, False)
+
+
+def test_the_policy_prices_a_string_row_one_forward_more_than_a_tli_row():
+    """auto mode: the greedy (string) rows' drafts take a drafter token past the last one they propose."""
+    p = _proposer(adaptive_length=True, draft_cost=0.001, compute_bound_tokens=100.0)
+    asked = []
+    real = p.policy.lengths
+    p.policy.lengths = lambda req_ids, batch, extra_forwards=0: asked.append((req_ids[0], extra_forwards)) or real(
+        req_ids, batch, extra_forwards)
+    _runner().step(p, {})
+    assert sorted(asked) == [("g1", 1), ("g2", 1), ("s", 0)], asked

@@ -68,10 +68,12 @@ class StepCostModel:
     def target_step(self, tokens: int) -> float:
         return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
 
-    def relative_cost(self, batch: int, length: int) -> float:
-        """The step's time when each of ``batch`` requests drafts ``length``, over the plain step."""
+    def relative_cost(self, batch: int, length: int, extra_forwards: int = 0) -> float:
+        """The step's time when each of ``batch`` requests drafts ``length`` (in ``length + extra_forwards``
+        drafter forwards), over the plain step."""
         batch = max(batch, 1)
-        drafted = self.target_step(batch * (1 + length)) + length * (self.draft_forward_cost + batch * self.draft_cost)
+        forwards = length + extra_forwards
+        drafted = self.target_step(batch * (1 + length)) + forwards * (self.draft_forward_cost + batch * self.draft_cost)
         return drafted / self.target_step(batch)
 
 
@@ -180,14 +182,15 @@ class DraftLengthPolicy:
         return [(counts.accepted[j] + PRIOR_WEIGHT * pool.rate(j)) / (counts.offered[j] + PRIOR_WEIGHT)
                 for j in range(self.k)]
 
-    def best_length(self, acceptance: Sequence[float], batch: int) -> int:
-        """The length with the most (expected accepted + 1) per unit of step time; 0 unless one pays."""
+    def best_length(self, acceptance: Sequence[float], batch: int, extra_forwards: int = 0) -> int:
+        """The length with the most (expected accepted + 1) per unit of step time; 0 unless one pays.
+        ``extra_forwards``: drafter forwards a draft takes past one per drafted token."""
         best, best_score = 0, MIN_GAIN
         expected, reach = 0.0, 1.0
         for length in range(1, self.k + 1):
             reach *= acceptance[length - 1]
             expected += reach
-            score = (expected + 1.0) / self.costs.relative_cost(batch, length)
+            score = (expected + 1.0) / self.costs.relative_cost(batch, length, extra_forwards)
             if score > best_score:
                 best, best_score = length, score
         return best
@@ -203,14 +206,16 @@ class DraftLengthPolicy:
             pays = self._pays[batch] = self.best_length([1.0] * self.k, batch) > 0
         return pays
 
-    def lengths(self, req_ids: Sequence[str], batch: int) -> list[int]:
-        """This step's length for each request. ``batch``: requests in the target's step (drafted or not)."""
+    def lengths(self, req_ids: Sequence[str], batch: int, extra_forwards: int = 0) -> list[int]:
+        """This step's length for each request. ``batch``: requests in the target's step (drafted or not).
+        ``extra_forwards``: drafter forwards their drafts take past one per drafted token (string
+        drafting writes one token past the last it proposes, which more text could still grow)."""
         if not self.may_draft(batch):
             return [0] * len(req_ids)
         probe_step = self._steps % self.probe_interval == 0
         out: list[int] = []
         for req_id in req_ids:
-            length = self.best_length(self.acceptance(req_id), batch)
+            length = self.best_length(self.acceptance(req_id), batch, extra_forwards)
             if length == 0 and probe_step:
                 length = 1
                 self.counters["probes"] = self.counters.get("probes", 0) + 1
@@ -236,5 +241,5 @@ class FixedLength:
     def may_draft(self, batch: int) -> bool:
         return True
 
-    def lengths(self, req_ids: Sequence[str], batch: int) -> list[int]:
+    def lengths(self, req_ids: Sequence[str], batch: int, extra_forwards: int = 0) -> list[int]:
         return [self.k] * len(req_ids)

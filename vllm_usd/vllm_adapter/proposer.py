@@ -292,7 +292,8 @@ class UniversalProposer:
     def _length_of(self, batch: int):
         """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
         def length_of(req_id: str, state) -> int:
-            n = self.policy.lengths([req_id], batch)[0]
+            # a string row drafts one token past its last proposed one (held back: more text could grow it)
+            n = self.policy.lengths([req_id], batch, int(self._drafts_text(state.temperature)))[0]
             if n == 0:
                 self.counters["length_0"] += 1
             return n
