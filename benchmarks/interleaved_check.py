@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="another vllm-usd engine, with these usd settings over --usd's (repeatable)")
     parser.add_argument("--control", action="store_true",
                         help="another engine of the target alone: its paired ratios show the run's noise")
+    parser.add_argument("--control-engine", default="{}", metavar="JSON",
+                        help="vLLM engine arguments for the control engine only, e.g. '{\"async_scheduling\": false}' "
+                             "(the target alone as vLLM runs it with a custom_class proposer)")
     parser.add_argument("--warmup-rounds", type=int, default=0,
                         help="untimed rounds of every setting first (the engine's cost calibration runs in them)")
     parser.add_argument("--out", type=Path, required=True)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         systems[name] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
                                          **{**usd, **json.loads(settings_json)})
     if args.control:
-        systems["control"] = {}
+        systems["control"] = json.loads(args.control_engine)
     max_batch = max(args.batch_sizes)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:

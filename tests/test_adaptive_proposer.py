@@ -195,12 +195,13 @@ def test_every_rank_takes_rank_0s_drafter_timing_and_costs(monkeypatch):
     rank0 = StepCostModel(draft_cost=0.5, verify_token_cost=0.01, compute_bound_tokens=1e9, draft_forward_cost=0.2)
     sent = []
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: timing0)
-    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: sent.append(obj) or rank0)
+    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: sent.append(obj) or (rank0, frozenset({0})))
     p = _loaded(cost_calibration_steps=40)
     assert p.drafter_timing == timing0 and p._calibration.drafter == timing0
     _serve(p, 40)
-    assert len(sent) == 1 and isinstance(sent[0], StepCostModel), "this rank's own fit went to the broadcast once"
+    assert len(sent) == 1 and isinstance(sent[0][0], StepCostModel), "this rank's own fit went to the broadcast once"
     assert p.policy.costs == rank0 and p.stats()["costs_measured"]
+    assert p.policy.slower_buckets == {0} and p.stats()["slower_buckets"] == [0], "and rank 0's measured verdicts"
     _serve(p, 40)
     assert len(sent) == 2, "the next fit is due at twice the steps"
 
@@ -221,3 +222,14 @@ def test_a_batch_size_where_no_length_pays_costs_no_per_request_work():
     p.policy.costs = dataclasses.replace(p.policy.costs, draft_cost=0.001)
     assert any(runner.step(p, {}).values()), "where drafting pays again, the requests draft"
     assert len(p.requests) == 2
+
+
+def test_whole_cycles_are_recorded_as_drafted_or_not():
+    from vllm_usd.drafting.step_rates import bucket
+
+    p = _loaded(cost_calibration_steps=1000)
+    _serve(p, 40, {"a": 0, "b": 0, "c": 0})
+    rates = p._calibration.rates
+    assert rates.rate(bucket(3), False) is not None and rates.rate(bucket(3), True) is None
+    _serve(p, 40, {"a": 2, "b": 1, "c": 2})
+    assert rates.rate(bucket(3), True) is not None, "steps that verified drafts count as drafted cycles"

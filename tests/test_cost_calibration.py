@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from vllm_usd.drafting.cost_calibration import KEPT_PER_SIZE, MIN_SAMPLES, WARMUP_STEPS, CostCalibration
+from vllm_usd.drafting.cost_calibration import (KEPT_PER_SIZE, MAX_FIT_INTERVAL, MIN_SAMPLES, WARMUP_STEPS,
+                                               CostCalibration)
 from vllm_usd.drafting.drafter_timing import DrafterTiming
 from vllm_usd.drafting.length_policy import DraftLengthPolicy, StepCostModel
 
@@ -72,10 +73,22 @@ def test_one_step_size_keeps_the_configured_shape_and_prices_the_drafter_in_its_
     assert model.draft_cost == pytest.approx(F1 / unit, rel=1e-4)
 
 
-def test_fits_are_due_after_the_steps_then_after_twice_as_many_each_time():
+def test_fits_are_due_after_the_steps_then_after_twice_as_many_each_time_up_to_an_interval():
     cal = CostCalibration(CONFIGURED, steps=3)
     due = [step for step in range(1, 50) if cal.count_step()]
     assert due == [3, 6, 12, 24, 48]
+    cal = CostCalibration(CONFIGURED, steps=200)
+    due = [step for step in range(1, 1000) if cal.count_step()]
+    assert due == [200, 400, 400 + MAX_FIT_INTERVAL, 400 + 2 * MAX_FIT_INTERVAL]
+
+
+def test_whole_cycles_after_the_warmup_feed_the_step_rates():
+    cal = CostCalibration(CONFIGURED, steps=100)
+    for i in range(WARMUP_STEPS + 20):
+        cal.count_step()
+        cal.record_cycle(4, i % 2 == 0, 4 if i % 2 else 6, 0.01 if i % 2 else 0.02)  # drafted: 300 tok/s
+    assert cal.rates.rate(2, True) == pytest.approx(300) and cal.rates.rate(2, False) == pytest.approx(400)
+    assert cal.rates.slower_buckets() == {2}
 
 
 def test_later_fits_follow_the_engine_and_keep_bounded_timings():

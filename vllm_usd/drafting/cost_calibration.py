@@ -19,10 +19,12 @@ In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b)
 seconds over a + b. With one N only, the configured shape is kept, scaled to the time measured
 at that N.
 
-The first fit is due after ``steps`` engine steps; later fits at twice as many steps each time
-(2x, 4x, ...), over every timing kept so far (the latest ``KEPT_PER_SIZE`` per N), so sizes the
-engine reaches later (a bigger batch, steps with drafts) come into the model. Rank 0's fit is
-the one used, broadcast by the caller: timings differ between ranks.
+The first fit is due after ``steps`` engine steps; later fits after twice as many steps each
+time, up to one every ``MAX_FIT_INTERVAL`` steps, over every timing kept so far (the latest
+``KEPT_PER_SIZE`` per N), so sizes the engine reaches later (a bigger batch, steps with drafts)
+come into the model. Each fit also says where drafting was measured not to pay
+(``step_rates.py``: whole cycles with drafts against cycles without). Rank 0's fit is the one
+used, broadcast by the caller: timings differ between ranks.
 """
 
 from __future__ import annotations
@@ -33,16 +35,18 @@ from dataclasses import replace
 
 from vllm_usd.drafting.drafter_timing import DrafterTiming
 from vllm_usd.drafting.length_policy import StepCostModel
+from vllm_usd.drafting.step_rates import StepRates
 
 WARMUP_STEPS = 16  # the first steps of an engine run slow (allocations, first calls): not recorded
 MIN_SAMPLES = 8  # a fit needs at least this many timings
 KEPT_PER_SIZE = 64  # the latest timings kept per step size: the fits follow the engine, memory stays bounded
 UNBOUNDED_TOKENS = 1e9  # compute_bound_tokens of a line: no compute-bound regime past it
+MAX_FIT_INTERVAL = 256  # steps between fits, once the doubling reaches it
 
 
 class CostCalibration:
     """Collects the target's step timings and fits the policy's costs after ``steps`` engine steps,
-    then again after 2, 4, 8, ... times as many."""
+    then again after twice as many each time, up to every ``MAX_FIT_INTERVAL`` steps."""
 
     def __init__(self, configured: StepCostModel, steps: int, drafter: DrafterTiming | None = None) -> None:
         self.configured = configured
@@ -51,18 +55,25 @@ class CostCalibration:
         self.seen = 0
         self._next_fit = self.steps
         self._step_times: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=KEPT_PER_SIZE))
+        self.rates = StepRates()
 
     def count_step(self) -> bool:
         """One more engine step seen; True at a step after which a fit is due."""
         self.seen += 1
         if self.seen < self._next_fit:
             return False
-        self._next_fit *= 2
+        self._next_fit += min(self._next_fit, MAX_FIT_INTERVAL)
         return True
 
     def record_step(self, tokens: int, seconds: float) -> None:
+        """The target's step (without the proposer's time) that computed ``tokens`` tokens."""
         if self.seen > WARMUP_STEPS and tokens > 0 and seconds > 0:
             self._step_times[tokens].append(seconds)
+
+    def record_cycle(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole engine step and the drafting that fed it: ``tokens`` emitted by ``batch`` requests."""
+        if self.seen > WARMUP_STEPS:
+            self.rates.record(batch, drafted, tokens, seconds)
 
     # -- the fit ------------------------------------------------------------------------------
     def fit(self) -> StepCostModel | None:

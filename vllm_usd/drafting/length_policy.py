@@ -15,7 +15,10 @@ the request. Requests left at 0 are probed with one draft every
 one drafter forward, and only where drafting could pay at all (perfect
 acceptance would beat the target alone), so that their estimates cannot freeze
 at 0. A policy whose costs are still being measured (``costs_pending``) drafts
-nothing: no length is known to pay yet.
+nothing: no length is known to pay yet. Where steps with drafts were measured to
+emit fewer tokens per second than steps without (``slower_buckets``, from
+``step_rates.py``), the batch-size bucket drafts only in a re-test step every
+``RETEST_INTERVAL`` steps, whatever the model says.
 
 Determinism: the choice depends only on acceptance counts (from the tokens
 every rank samples alike), the batch size, the cost model and the number of
@@ -29,12 +32,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, MutableMapping, Sequence
 
+from vllm_usd.drafting.step_rates import bucket
+
 DECAY = 0.9  # a request's counts fade by this at each of its observed steps (~10 steps of memory)
 PRIOR_WEIGHT = 3.0  # pseudo-steps of the pooled estimate inside a request's estimate
 POOL_MAX_WEIGHT = 256.0  # the pooled counts are a moving average over about this many drafts per position
 INITIAL_ACCEPTANCE = 0.7  # the pooled estimate before any step was seen (the pair's first steps draft)
 INITIAL_WEIGHT = 4.0
 MIN_GAIN = 1.02  # a length must beat the target alone by 2%: the model's errors must not make it slower
+RETEST_INTERVAL = 64  # steps between drafting steps in a bucket where drafting was measured slower
 
 # cost defaults, measured on the 2-core CPU VM (benchmarks/results/2026-11-30-vm.md, 2026-12-01-drafter-step.json)
 VERIFY_TOKEN_COST = 0.045  # at batch 1, verifying 3 more tokens costs ~1.13x one token
@@ -116,6 +122,7 @@ class DraftLengthPolicy:
         self._pays: dict[int, bool] = {}  # batch size -> whether any length could pay there
         self.costs = costs or StepCostModel()
         self.costs_pending = costs_pending
+        self.slower_buckets: frozenset[int] = frozenset()  # batch-size buckets where drafting measured slower
         self.probe_interval = max(int(probe_interval), 1)
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
         self._pool = _Acceptance(k, INITIAL_WEIGHT, INITIAL_WEIGHT * INITIAL_ACCEPTANCE)
@@ -197,9 +204,12 @@ class DraftLengthPolicy:
 
     def may_draft(self, batch: int) -> bool:
         """False where no request can get a draft at this batch size: the costs are still being
-        measured, or not even perfect acceptance would beat the target alone. Every length is 0
-        then, and the step needs no per-request work."""
+        measured, drafting was measured slower here (but for a re-test step now and then), or not
+        even perfect acceptance would beat the target alone. Every length is 0 then, and the step
+        needs no per-request work."""
         if self.costs_pending:
+            return False
+        if self.slower_buckets and bucket(batch) in self.slower_buckets and self._steps % RETEST_INTERVAL:
             return False
         pays = self._pays.get(batch)
         if pays is None:

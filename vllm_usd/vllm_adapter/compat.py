@@ -161,6 +161,12 @@ def decode_step_tokens(scheduler_output) -> int | None:
     return int(sum(counts.values()))
 
 
+def step_verified_drafts(scheduler_output) -> bool:
+    """Whether the step that just ran verified any draft."""
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    return bool(spec) and any(len(ids) for ids in spec.values())
+
+
 def _tp_group():
     """vLLM's tensor-parallel group, or None without model-parallel groups (one process)."""
     try:

@@ -97,6 +97,7 @@ class UniversalProposer:
         self._runner = None
         self._scheduler_output = None
         self._last_end: float | None = None
+        self._last_start: float | None = None
         self._warned: set[str] = set()
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
@@ -203,6 +204,7 @@ class UniversalProposer:
             "costs": dataclasses.asdict(self.policy.costs) if hasattr(self.policy, "costs") else None,
             "costs_measured": self.costs_measured,
             "drafter_timing": dataclasses.asdict(self.drafter_timing) if self.drafter_timing else None,
+            "slower_buckets": sorted(getattr(self.policy, "slower_buckets", ())),
         }
 
     # -- one step ------------------------------------------------------------------------------
@@ -221,7 +223,7 @@ class UniversalProposer:
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
         if self._calibration is not None:
-            self._calibrate(started)
+            self._calibrate(started, sampled_token_ids)
         try:
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
@@ -239,22 +241,27 @@ class UniversalProposer:
                 self._last_end = time.perf_counter()
                 self.timer.add("propose_total", self._last_end - started)
 
-    def _calibrate(self, started: float) -> None:
-        """Record the target's step that just ran; where a fit is due, every rank takes rank 0's
-        (vLLM calls every rank's propose at every step, so every rank reaches the broadcast alike)."""
+    def _calibrate(self, started: float, sampled_token_ids: list[list[int]]) -> None:
+        """Record the target's step that just ran, and the whole cycle (the drafting that fed it
+        too); where a fit is due, every rank takes rank 0's (vLLM calls every rank's propose at every
+        step, so every rank reaches the broadcast alike)."""
         calibration = self._calibration
         tokens = compat.decode_step_tokens(self._scheduler_output)
-        if tokens is not None and self._last_end is not None:
+        if tokens is not None and self._last_end is not None and self._last_start is not None:
             calibration.record_step(tokens, started - self._last_end)
+            calibration.record_cycle(sum(1 for s in sampled_token_ids if s),
+                                     compat.step_verified_drafts(self._scheduler_output),
+                                     sum(len(s) for s in sampled_token_ids), started - self._last_start)
+        self._last_start = started
         if not calibration.count_step():
             return
         try:  # every rank fits its own timings ...
-            fitted = calibration.fit()
+            fitted = (calibration.fit(), calibration.rates.slower_buckets())
         except Exception as exc:  # noqa: BLE001 - the costs in use stay
             logger.warning("vllm-usd: fitting the draft-length costs failed (%s)", exc)
-            fitted = None
+            fitted = (None, frozenset())
         try:  # ... and every rank calls the broadcast, which keeps the tensor-parallel group's rank 0's
-            measured = compat.tp_broadcast_from_rank0(fitted)
+            measured, slower = compat.tp_broadcast_from_rank0(fitted)
         except Exception as exc:  # noqa: BLE001 - the costs in use stay
             logger.warning("vllm-usd: sharing the measured draft-length costs failed (%s)", exc)
             return
@@ -262,8 +269,13 @@ class UniversalProposer:
             logger.info("vllm-usd: after %d steps, too few decode steps were timed to measure the draft-length "
                         "costs; trying again later", calibration.seen)
             return
+        if slower != self.policy.slower_buckets:
+            logger.info("vllm-usd: drafting measured slower than no drafting at batch sizes %s",
+                        ", ".join(f"{1 << b}-{(2 << b) - 1}" for b in sorted(slower)) or "none")
+        log = logger.debug if self.costs_measured else logger.info
         self.policy.costs, self.policy.costs_pending, self.costs_measured = measured, False, True
-        logger.info("vllm-usd: draft-length costs measured after %d steps: %s", calibration.seen, measured)
+        self.policy.slower_buckets = slower
+        log("vllm-usd: draft-length costs measured after %d steps: %s", calibration.seen, measured)
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        token_ids: np.ndarray, batch: int) -> tuple[DraftRows, list[int]]:

@@ -1,0 +1,55 @@
+"""StepRates and the policy's use of it: drafting that measured slower stops. No model, no engine."""
+
+from __future__ import annotations
+
+from vllm_usd.drafting.length_policy import RETEST_INTERVAL, DraftLengthPolicy, StepCostModel
+from vllm_usd.drafting.step_rates import KEPT_CYCLES, MIN_CYCLES, StepRates, bucket
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(b) for b in (0, 1, 2, 3, 4, 7, 8, 15, 16, 32, 255, 256)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 5, 7, 8]
+
+
+def test_a_verdict_needs_enough_cycles_of_both_kinds():
+    rates = StepRates()
+    for _ in range(MIN_CYCLES - 1):
+        rates.record(1, True, 1, 1.0)
+        rates.record(1, False, 1, 0.5)
+    assert rates.slower_buckets() == frozenset()
+    rates.record(1, True, 1, 1.0)
+    assert rates.slower_buckets() == frozenset()
+    rates.record(1, False, 1, 0.5)
+    assert rates.slower_buckets() == {0}
+
+
+def test_only_buckets_where_drafted_cycles_emit_fewer_tokens_per_second_are_slower():
+    rates = StepRates()
+    for _ in range(MIN_CYCLES):
+        rates.record(1, True, 3, 0.020)  # 150 tok/s with drafts at batch 1 ...
+        rates.record(1, False, 1, 0.010)  # ... against 100 without: drafting pays
+        rates.record(8, True, 12, 0.080)  # 150 tok/s with drafts at batch 8 ...
+        rates.record(8, False, 8, 0.040)  # ... against 200: it does not
+    assert rates.slower_buckets() == {bucket(8)}
+
+
+def test_the_latest_cycles_decide():
+    rates = StepRates()
+    for _ in range(KEPT_CYCLES):
+        rates.record(1, True, 1, 1.0)
+        rates.record(1, False, 1, 0.5)
+    assert rates.slower_buckets() == {0}
+    for _ in range(KEPT_CYCLES):
+        rates.record(1, True, 3, 1.0)
+    assert rates.slower_buckets() == frozenset(), "drafting got better: the old cycles are gone"
+
+
+def test_the_policy_drafts_in_a_slower_bucket_only_to_retest():
+    cheap = StepCostModel(draft_cost=0.02, verify_token_cost=0.045, compute_bound_tokens=100)
+    policy = DraftLengthPolicy(3, cheap, probe_interval=1)
+    policy.slower_buckets = frozenset({bucket(1)})
+    drafted = []
+    for step in range(1, 3 * RETEST_INTERVAL + 1):
+        policy.observe(["a"], [[0]])
+        drafted.append(policy.lengths(["a"], 1)[0] > 0)
+        assert policy.may_draft(8), "another batch size is not held back"
+    assert sum(drafted) == 3 and all(drafted[i] for i in range(RETEST_INTERVAL - 1, len(drafted), RETEST_INTERVAL))

@@ -1,0 +1,57 @@
+"""Whether drafting pays, measured: tokens per second of engine steps with drafts and without.
+
+The cost model (``length_policy.StepCostModel``) prices what it knows: the target's step
+against its tokens, and the drafter's forwards. A drafting step also costs what no model term
+holds: the proposer's translation, sampling and hand-over, and vLLM's verification of the
+drafts, which for a small or fast target can outweigh the forwards. ``StepRates`` checks the
+outcome instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the latest
+cycles with drafts and without, each cycle being one engine step and the drafting that fed it
+(from the start of one propose to the start of the next) with the tokens the step emitted. Where
+both kinds have enough cycles and the drafted ones emitted fewer tokens per second, drafting
+does not pay at that batch size, whatever the model says: the policy then drafts there only in
+an occasional re-test step, so that a change (another request mix, longer contexts) is seen.
+
+The verdicts are rank 0's, broadcast by the caller with the fitted costs: timings differ
+between ranks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+KEPT_CYCLES = 64  # the latest cycles kept per bucket and kind
+MIN_CYCLES = 8  # a verdict needs at least this many cycles of each kind in a bucket
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (0, 1, 2, 3, ...)."""
+    return max(int(batch), 1).bit_length() - 1
+
+
+class StepRates:
+    """Tokens per second of drafted and undrafted engine cycles, per batch-size bucket."""
+
+    def __init__(self) -> None:
+        # bucket -> drafted -> (tokens, seconds) of the latest cycles
+        self._cycles: dict[int, dict[bool, deque[tuple[int, float]]]] = defaultdict(
+            lambda: {True: deque(maxlen=KEPT_CYCLES), False: deque(maxlen=KEPT_CYCLES)})
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if batch > 0 and tokens > 0 and seconds > 0:
+            self._cycles[bucket(batch)][bool(drafted)].append((tokens, seconds))
+
+    def rate(self, batch_bucket: int, drafted: bool) -> float | None:
+        """Tokens per second of the kept cycles of that kind; None with fewer than MIN_CYCLES."""
+        cycles = self._cycles.get(batch_bucket, {}).get(drafted, ())
+        if len(cycles) < MIN_CYCLES:
+            return None
+        return sum(t for t, _ in cycles) / sum(s for _, s in cycles)
+
+    def slower_buckets(self) -> frozenset[int]:
+        """The buckets where steps with drafts emitted fewer tokens per second than steps without."""
+        slower = set()
+        for b in self._cycles:
+            drafted, plain = self.rate(b, True), self.rate(b, False)
+            if drafted is not None and plain is not None and drafted < plain:
+                slower.add(b)
+        return frozenset(slower)
