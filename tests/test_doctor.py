@@ -13,7 +13,7 @@ from tests import vllm_sources
 from vllm_usd.vllm_adapter import fingerprints
 
 PATCH_NAMES = {"runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "cpu_drafted_rows_recovery", "no_draft_plain_sampling",
-               "frontend_check"}
+               "frontend_check", "drafts_with_sampled_tokens"}
 # runs the CLI in a fresh interpreter, then says whether that interpreter ever imported vLLM
 NO_IMPORT = ("import sys; from vllm_usd.cli import main; rc = main(sys.argv[1:]); "
              "print('IMPORTED_VLLM=' + str('vllm' in sys.modules), file=sys.stderr); sys.exit(rc)")

@@ -116,7 +116,7 @@ def test_register_warns_names_the_function_and_stays_inactive(tree, use_tree, mo
     with caplog.at_level(logging.INFO, logger="vllm.usd"):
         plugin.register()
         plugin.register()  # re-entrant: nothing twice
-    assert installed == ["frontend_check"], "only the patch whose functions match"
+    assert installed == ["frontend_check", "drafts_with_sampled_tokens"], "only the patches whose functions match"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("_get_spec_decode_draft_probs" in w and "patch runner_hook" in w for w in warnings), warnings
     assert any("stays inactive" in w for w in warnings), warnings

@@ -37,6 +37,13 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
     "rejection_sample": ("vllm/v1/sample/rejection_sampler.py", "rejection_sample"),
     "sample_recovered_tokens": ("vllm/v1/sample/rejection_sampler.py", "sample_recovered_tokens"),
     "EngineArgs.create_engine_config": ("vllm/engine/arg_utils.py", "EngineArgs.create_engine_config"),
+    "EngineCore.step": ("vllm/v1/engine/core.py", "EngineCore.step"),
+    "EngineCore.post_step": ("vllm/v1/engine/core.py", "EngineCore.post_step"),
+    "MultiprocExecutor.sample_tokens": ("vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor.sample_tokens"),
+    "MultiprocExecutor.take_draft_token_ids": (
+        "vllm/v1/executor/multiproc_executor.py", "MultiprocExecutor.take_draft_token_ids"),
+    "Worker.sample_tokens": ("vllm/v1/worker/gpu_worker.py", "Worker.sample_tokens"),
+    "Worker.take_draft_token_ids": ("vllm/v1/worker/gpu_worker.py", "Worker.take_draft_token_ids"),
 }
 MATCH, CHANGED, MISSING = "match", "changed", "missing"
 _TABLE = Path(__file__).resolve().parents[1] / "data" / "vllm_fingerprints.json"

@@ -33,7 +33,8 @@ def register() -> None:
     try:
         from vllm_usd.vllm_adapter import compat, patches
 
-        wanted = ["runner_hook", "frontend_check"] + (["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
+        wanted = ["runner_hook", "frontend_check", "drafts_with_sampled_tokens"] + (
+            ["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
         for name in wanted:
             try:
                 patches.apply([name])
