@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--usd", action="append", default=[], metavar="KEY=VALUE",
+                        help="a usd setting for the server (repeatable), as `vllm-usd serve --usd` takes it")
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
     args = parser.parse_args(argv)
 
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.streams), "--seed", "0",
            "--worker-extension-cls", "vllm_usd.vllm_adapter.debug.ProposerStatsExtension"]
+    for setting in args.usd:
+        cmd += ["--usd", setting]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     report: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "settings": vars(args) | {
