@@ -206,7 +206,8 @@ def test_server_completions_chat_stream_and_metrics(real_pair, smollm_reference,
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     cmd = [sys.executable, "-m", "vllm_usd.cli", "serve", real_pair["smollm2"], "--drafter", real_pair["gemma3"],
-           "-k", "3", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "-k", "3", "--usd", "adaptive_length=false",  # every step drafts: /metrics must show accepted drafts
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--max-model-len", "1024", "--max-num-seqs", "8"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
