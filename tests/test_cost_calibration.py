@@ -9,6 +9,7 @@ import pytest
 from vllm_usd.drafting.cost_calibration import (KEPT_PER_SIZE, MAX_FIT_INTERVAL, MIN_SAMPLES, WARMUP_STEPS,
                                                CostCalibration)
 from vllm_usd.drafting.drafter_timing import DrafterTiming
+from vllm_usd.drafting.step_rates import MIN_CYCLES
 from vllm_usd.drafting.length_policy import DraftLengthPolicy, StepCostModel
 
 CONFIGURED = StepCostModel(draft_cost=0.25, verify_token_cost=0.045, compute_bound_tokens=5.0)
@@ -77,14 +78,14 @@ def test_fits_are_due_after_the_steps_then_after_twice_as_many_each_time_up_to_a
     cal = CostCalibration(CONFIGURED, steps=3)
     due = [step for step in range(1, 50) if cal.count_step()]
     assert due == [3, 6, 12, 24, 48]
-    cal = CostCalibration(CONFIGURED, steps=200)
-    due = [step for step in range(1, 1000) if cal.count_step()]
-    assert due == [200, 400, 400 + MAX_FIT_INTERVAL, 400 + 2 * MAX_FIT_INTERVAL]
+    cal = CostCalibration(CONFIGURED, steps=2 * MAX_FIT_INTERVAL)
+    due = [step for step in range(1, 6 * MAX_FIT_INTERVAL) if cal.count_step()]
+    assert due == [2 * MAX_FIT_INTERVAL, 3 * MAX_FIT_INTERVAL, 4 * MAX_FIT_INTERVAL, 5 * MAX_FIT_INTERVAL]
 
 
 def test_whole_cycles_after_the_warmup_feed_the_step_rates():
     cal = CostCalibration(CONFIGURED, steps=100)
-    for i in range(WARMUP_STEPS + 20):
+    for i in range(WARMUP_STEPS + 4 * MIN_CYCLES):
         cal.count_step()
         cal.record_cycle(4, i % 2 == 0, 4 if i % 2 else 6, 0.01 if i % 2 else 0.02)  # drafted: 300 tok/s
     assert cal.rates.rate(2, True) == pytest.approx(300) and cal.rates.rate(2, False) == pytest.approx(400)

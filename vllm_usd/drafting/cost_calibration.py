@@ -41,7 +41,7 @@ WARMUP_STEPS = 16  # the first steps of an engine run slow (allocations, first c
 MIN_SAMPLES = 8  # a fit needs at least this many timings
 KEPT_PER_SIZE = 64  # the latest timings kept per step size: the fits follow the engine, memory stays bounded
 UNBOUNDED_TOKENS = 1e9  # compute_bound_tokens of a line: no compute-bound regime past it
-MAX_FIT_INTERVAL = 256  # steps between fits, once the doubling reaches it
+MAX_FIT_INTERVAL = 64  # steps between fits, once the doubling reaches it
 
 
 class CostCalibration:

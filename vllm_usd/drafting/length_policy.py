@@ -17,8 +17,8 @@ acceptance would beat the target alone), so that their estimates cannot freeze
 at 0. A policy whose costs are still being measured (``costs_pending``) drafts
 nothing: no length is known to pay yet. Where steps with drafts were measured to
 emit fewer tokens per second than steps without (``slower_buckets``, from
-``step_rates.py``), the batch-size bucket drafts only in a re-test step every
-``RETEST_INTERVAL`` steps, whatever the model says.
+``step_rates.py``), the batch-size bucket drafts only in a re-test window of
+``RETEST_STEPS`` steps every ``RETEST_INTERVAL``, whatever the model says.
 
 Determinism: the choice depends only on acceptance counts (from the tokens
 every rank samples alike), the batch size, the cost model and the number of
@@ -40,7 +40,8 @@ POOL_MAX_WEIGHT = 256.0  # the pooled counts are a moving average over about thi
 INITIAL_ACCEPTANCE = 0.7  # the pooled estimate before any step was seen (the pair's first steps draft)
 INITIAL_WEIGHT = 4.0
 MIN_GAIN = 1.02  # a length must beat the target alone by 2%: the model's errors must not make it slower
-RETEST_INTERVAL = 64  # steps between drafting steps in a bucket where drafting was measured slower
+RETEST_INTERVAL = 512  # steps between re-test windows in a bucket where drafting was measured slower ...
+RETEST_STEPS = 16  # ... and their length: a lagging drafter's catch-up is spread as in steady drafting
 
 # cost defaults, measured on the 2-core CPU VM (benchmarks/results/2026-11-30-vm.md, 2026-12-01-drafter-step.json)
 VERIFY_TOKEN_COST = 0.045  # at batch 1, verifying 3 more tokens costs ~1.13x one token
@@ -204,12 +205,13 @@ class DraftLengthPolicy:
 
     def may_draft(self, batch: int) -> bool:
         """False where no request can get a draft at this batch size: the costs are still being
-        measured, drafting was measured slower here (but for a re-test step now and then), or not
+        measured, drafting was measured slower here (but for a re-test window now and then), or not
         even perfect acceptance would beat the target alone. Every length is 0 then, and the step
         needs no per-request work."""
         if self.costs_pending:
             return False
-        if self.slower_buckets and bucket(batch) in self.slower_buckets and self._steps % RETEST_INTERVAL:
+        if (self.slower_buckets and bucket(batch) in self.slower_buckets
+                and self._steps % RETEST_INTERVAL >= RETEST_STEPS):
             return False
         pays = self._pays.get(batch)
         if pays is None:

@@ -9,7 +9,9 @@ cycles with drafts and without, each cycle being one engine step and the draftin
 (from the start of one propose to the start of the next) with the tokens the step emitted. Where
 both kinds have enough cycles and the drafted ones emitted fewer tokens per second, drafting
 does not pay at that batch size, whatever the model says: the policy then drafts there only in
-an occasional re-test step, so that a change (another request mix, longer contexts) is seen.
+an occasional re-test window of consecutive steps (a request that drafted nothing for a while
+first catches its drafter up, a cost a window spreads as steady drafting does), so that a
+change (another request mix, longer contexts) is seen.
 
 The verdicts are rank 0's, broadcast by the caller with the fitted costs: timings differ
 between ranks.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 KEPT_CYCLES = 64  # the latest cycles kept per bucket and kind
-MIN_CYCLES = 8  # a verdict needs at least this many cycles of each kind in a bucket
+MIN_CYCLES = 16  # a verdict needs at least this many cycles of each kind in a bucket
 
 
 def bucket(batch: int) -> int:
@@ -46,6 +48,11 @@ class StepRates:
         if len(cycles) < MIN_CYCLES:
             return None
         return sum(t for t, _ in cycles) / sum(s for _, s in cycles)
+
+    def rates(self) -> dict[str, dict[str, float | None]]:
+        """Per bucket ("1-1", "2-3", ...): tokens per second with drafts and without (for stats and logs)."""
+        return {f"{1 << b}-{(2 << b) - 1}": {"drafted": self.rate(b, True), "plain": self.rate(b, False)}
+                for b in sorted(self._cycles)}
 
     def slower_buckets(self) -> frozenset[int]:
         """The buckets where steps with drafts emitted fewer tokens per second than steps without."""
