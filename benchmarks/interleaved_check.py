@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
         stats = engines["usd"].collective_rpc(proposer_stats)[0] or {}
         counters = stats.get("counters", {})  # rows per chosen length (length_0 ...), probes, string rows
-        costs = {"costs": stats.get("costs"), "costs_measured": stats.get("costs_measured"),
-                 "drafter_timing": stats.get("drafter_timing")}
+        costs = {key: stats.get(key) for key in ("costs", "costs_measured", "drafter_timing", "slower_buckets",
+                                                  "step_rates")}
     rows = []
     for temperature, batch in settings:
         def of(name):
