@@ -172,7 +172,7 @@ def test_costs_are_measured_by_default_and_nothing_is_drafted_before():
     _serve(p, 1)
     stats = p.stats()
     assert stats["costs_measured"] and not p.policy.costs_pending and p.policy.costs != configured, stats["costs"]
-    assert all(0 <= v < float("inf") for v in stats["costs"].values()), stats["costs"]
+    assert all(0 <= v < float("inf") for k, v in stats["costs"].items() if k != "measured_tokens"), stats["costs"]
     assert stats["costs"]["draft_forward_cost"] + stats["costs"]["draft_cost"] > 0, "priced from the timing"
 
 
@@ -195,13 +195,15 @@ def test_every_rank_takes_rank_0s_drafter_timing_and_costs(monkeypatch):
     rank0 = StepCostModel(draft_cost=0.5, verify_token_cost=0.01, compute_bound_tokens=1e9, draft_forward_cost=0.2)
     sent = []
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: timing0)
-    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: sent.append(obj) or (rank0, frozenset({0})))
+    monkeypatch.setattr(compat, "tp_broadcast_from_rank0",
+                        lambda obj: sent.append(obj) or (rank0, frozenset({0}), frozenset({3})))
     p = _loaded(cost_calibration_steps=40)
     assert p.drafter_timing == timing0 and p._calibration.drafter == timing0
     _serve(p, 40)
     assert len(sent) == 1 and isinstance(sent[0][0], StepCostModel), "this rank's own fit went to the broadcast once"
     assert p.policy.costs == rank0 and p.stats()["costs_measured"]
     assert p.policy.slower_buckets == {0} and p.stats()["slower_buckets"] == [0], "and rank 0's measured verdicts"
+    assert p.policy.unmeasured_plain_buckets == {3}
     _serve(p, 40)
     assert len(sent) == 2, "the next fit is due at twice the steps"
 

@@ -138,3 +138,16 @@ def test_a_target_that_turns_compute_bound_is_fitted_in_both_regimes():
         truth = (step(batch * (1 + length)) + length * (F0 + F1 * batch)) / step(batch)
         assert model.relative_cost(batch, length) == pytest.approx(truth, rel=0.05), (batch, length, model)
     assert 4 < model.compute_bound_tokens < 10, model
+
+
+def test_past_the_largest_step_timed_each_token_costs_the_average_of_that_step():
+    """Timed at batch 1 only (steps of 1 to 4 tokens, nearly flat): a batch of 8 must not look as if
+    verifying its drafts came free, as a flat line carried past 4 tokens would say."""
+    cal = CostCalibration(CONFIGURED, steps=300, drafter=DRAFTER)
+    _serve(cal, batches=(1,), outliers=0.0)
+    model = cal.fit()
+    assert model.measured_tokens == 4
+    assert model.target_step(16) == pytest.approx(2 * model.target_step(8))
+    assert model.target_step(8) == pytest.approx(2 * model.target_step(4))
+    assert DraftLengthPolicy(3, model).best_length([1.0, 1.0, 1.0], batch=8) == 0
+    assert DraftLengthPolicy(3, model).best_length([0.9, 0.9, 0.9], batch=1) > 0

@@ -55,3 +55,21 @@ def test_the_policy_drafts_in_a_slower_bucket_only_in_retest_windows():
     windows = [i for i, d in enumerate(drafted) if d]
     assert len(windows) == 3 * RETEST_STEPS, windows
     assert all(((i + 1) % RETEST_INTERVAL) < RETEST_STEPS for i in windows), "consecutive steps at each interval"
+
+
+def test_a_drafting_bucket_without_plain_cycles_is_named_and_goes_without_drafts_in_the_window():
+    rates = StepRates()
+    for _ in range(MIN_CYCLES):
+        rates.record(8, True, 16, 0.1)
+        rates.record(1, True, 2, 0.1)
+        rates.record(1, False, 1, 0.1)
+    assert rates.unmeasured_plain_buckets() == {bucket(8)}
+    cheap = StepCostModel(draft_cost=0.02, verify_token_cost=0.045, compute_bound_tokens=100)
+    policy = DraftLengthPolicy(3, cheap)
+    policy.unmeasured_plain_buckets = rates.unmeasured_plain_buckets()
+    drafts_at_8 = []
+    for _ in range(2 * RETEST_INTERVAL):
+        policy.observe([], [])
+        drafts_at_8.append(policy.may_draft(8))
+        assert policy.may_draft(1)
+    assert drafts_at_8.count(False) == 2 * RETEST_STEPS, "one window without drafts per interval"

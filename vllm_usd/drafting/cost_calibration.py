@@ -15,6 +15,7 @@ and puts both in one unit:
 
 In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b),
 ``compute_bound_tokens`` (a + b) / s (unbounded where no measured size is compute-bound),
+``measured_tokens`` the largest N timed (past it, each token costs the average of that step),
 ``draft_forward_cost`` and ``draft_cost``: the drafter timing's per-forward and per-request
 seconds over a + b. With one N only, the configured shape is kept, scaled to the time measured
 at that N.
@@ -122,7 +123,8 @@ class CostCalibration:
         if not unit > 0:
             return None
         bound = unit / s if s else UNBOUNDED_TOKENS
-        model = replace(self.configured, verify_token_cost=round(b / unit, 6), compute_bound_tokens=round(bound, 4))
+        model = replace(self.configured, verify_token_cost=round(b / unit, 6), compute_bound_tokens=round(bound, 4),
+                        measured_tokens=float(points[-1][0]))
         return unit, model
 
 

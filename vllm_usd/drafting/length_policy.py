@@ -18,7 +18,9 @@ at 0. A policy whose costs are still being measured (``costs_pending``) drafts
 nothing: no length is known to pay yet. Where steps with drafts were measured to
 emit fewer tokens per second than steps without (``slower_buckets``, from
 ``step_rates.py``), the batch-size bucket drafts only in a re-test window of
-``RETEST_STEPS`` steps every ``RETEST_INTERVAL``, whatever the model says.
+``RETEST_STEPS`` steps every ``RETEST_INTERVAL``, whatever the model says; a bucket
+that drafts but has no steps without drafts to compare with
+(``unmeasured_plain_buckets``) drafts nothing in that window.
 
 Determinism: the choice depends only on acceptance counts (from the tokens
 every rank samples alike), the batch size, the cost model and the number of
@@ -61,8 +63,10 @@ class StepCostModel:
     """Engine step time in units of a plain target step at batch 1.
 
     The target step with N tokens costs max(1 + verify_token_cost * (N - 1), N / compute_bound_tokens):
-    nearly flat while reading the weights dominates, then linear once compute-bound. Each
-    draft position adds one drafter forward: ``draft_forward_cost`` for the forward, shared by
+    nearly flat while reading the weights dominates, then linear once compute-bound. Past
+    ``measured_tokens``, the largest step a measured model has seen, every token costs what the
+    average token of that step cost: a step the engine never ran is not assumed to come cheap.
+    Each draft position adds one drafter forward: ``draft_forward_cost`` for the forward, shared by
     the batch, plus ``draft_cost`` per request in it. The configured model has no shared part;
     a measured one (``cost_calibration.py``) has both.
     """
@@ -71,9 +75,15 @@ class StepCostModel:
     verify_token_cost: float = VERIFY_TOKEN_COST
     compute_bound_tokens: float = COMPUTE_BOUND_TOKENS
     draft_forward_cost: float = 0.0
+    measured_tokens: float = float("inf")
+
+    def _shape(self, tokens: float) -> float:
+        return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
 
     def target_step(self, tokens: int) -> float:
-        return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
+        if tokens <= self.measured_tokens:
+            return self._shape(tokens)
+        return self._shape(self.measured_tokens) * tokens / self.measured_tokens
 
     def relative_cost(self, batch: int, length: int, extra_forwards: int = 0) -> float:
         """The step's time when each of ``batch`` requests drafts ``length`` (in ``length + extra_forwards``
@@ -124,6 +134,7 @@ class DraftLengthPolicy:
         self.costs = costs or StepCostModel()
         self.costs_pending = costs_pending
         self.slower_buckets: frozenset[int] = frozenset()  # batch-size buckets where drafting measured slower
+        self.unmeasured_plain_buckets: frozenset[int] = frozenset()  # drafting ones with no plain steps to compare
         self.probe_interval = max(int(probe_interval), 1)
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
         self._pool = _Acceptance(k, INITIAL_WEIGHT, INITIAL_WEIGHT * INITIAL_ACCEPTANCE)
@@ -205,14 +216,17 @@ class DraftLengthPolicy:
 
     def may_draft(self, batch: int) -> bool:
         """False where no request can get a draft at this batch size: the costs are still being
-        measured, drafting was measured slower here (but for a re-test window now and then), or not
+        measured, drafting was measured slower here (but for a re-test window now and then), this is
+        a window for measuring steps without drafts, or not
         even perfect acceptance would beat the target alone. Every length is 0 then, and the step
         needs no per-request work."""
         if self.costs_pending:
             return False
-        if (self.slower_buckets and bucket(batch) in self.slower_buckets
-                and self._steps % RETEST_INTERVAL >= RETEST_STEPS):
-            return False
+        if self.slower_buckets or self.unmeasured_plain_buckets:
+            in_window = self._steps % RETEST_INTERVAL < RETEST_STEPS
+            b = bucket(batch)
+            if (b in self.slower_buckets and not in_window) or (b in self.unmeasured_plain_buckets and in_window):
+                return False
         pays = self._pays.get(batch)
         if pays is None:
             pays = self._pays[batch] = self.best_length([1.0] * self.k, batch) > 0

@@ -11,7 +11,9 @@ both kinds have enough cycles and the drafted ones emitted fewer tokens per seco
 does not pay at that batch size, whatever the model says: the policy then drafts there only in
 an occasional re-test window of consecutive steps (a request that drafted nothing for a while
 first catches its drafter up, a cost a window spreads as steady drafting does), so that a
-change (another request mix, longer contexts) is seen.
+change (another request mix, longer contexts) is seen. A bucket that drafts but has too
+few cycles without drafts to compare with (the engine reached it after its costs were
+measured) goes without drafts in such a window, so that the comparison can be made.
 
 The verdicts are rank 0's, broadcast by the caller with the fitted costs: timings differ
 between ranks.
@@ -53,6 +55,11 @@ class StepRates:
         """Per bucket ("1-1", "2-3", ...): tokens per second with drafts and without (for stats and logs)."""
         return {f"{1 << b}-{(2 << b) - 1}": {"drafted": self.rate(b, True), "plain": self.rate(b, False)}
                 for b in sorted(self._cycles)}
+
+    def unmeasured_plain_buckets(self) -> frozenset[int]:
+        """The buckets with enough drafted cycles but too few without drafts for a verdict."""
+        return frozenset(b for b, kinds in self._cycles.items()
+                         if len(kinds[True]) >= MIN_CYCLES and len(kinds[False]) < MIN_CYCLES)
 
     def slower_buckets(self) -> frozenset[int]:
         """The buckets where steps with drafts emitted fewer tokens per second than steps without."""

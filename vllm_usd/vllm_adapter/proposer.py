@@ -257,12 +257,13 @@ class UniversalProposer:
         if not calibration.count_step():
             return
         try:  # every rank fits its own timings ...
-            fitted = (calibration.fit(), calibration.rates.slower_buckets())
+            rates = calibration.rates
+            fitted = (calibration.fit(), rates.slower_buckets(), rates.unmeasured_plain_buckets())
         except Exception as exc:  # noqa: BLE001 - the costs in use stay
             logger.warning("vllm-usd: fitting the draft-length costs failed (%s)", exc)
-            fitted = (None, frozenset())
+            fitted = (None, frozenset(), frozenset())
         try:  # ... and every rank calls the broadcast, which keeps the tensor-parallel group's rank 0's
-            measured, slower = compat.tp_broadcast_from_rank0(fitted)
+            measured, slower, unmeasured_plain = compat.tp_broadcast_from_rank0(fitted)
         except Exception as exc:  # noqa: BLE001 - the costs in use stay
             logger.warning("vllm-usd: sharing the measured draft-length costs failed (%s)", exc)
             return
@@ -275,7 +276,7 @@ class UniversalProposer:
                         ", ".join(f"{1 << b}-{(2 << b) - 1}" for b in sorted(slower)) or "none")
         log = logger.debug if self.costs_measured else logger.info
         self.policy.costs, self.policy.costs_pending, self.costs_measured = measured, False, True
-        self.policy.slower_buckets = slower
+        self.policy.slower_buckets, self.policy.unmeasured_plain_buckets = slower, unmeasured_plain
         log("vllm-usd: draft-length costs measured after %d steps: %s", calibration.seen, measured)
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
