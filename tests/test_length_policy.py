@@ -136,3 +136,18 @@ def test_a_forward_past_the_draft_is_priced():
     policy = DraftLengthPolicy(1, StepCostModel(draft_cost=0.4))
     assert policy.best_length([0.5], batch=1) == 1
     assert policy.best_length([0.5], batch=1, extra_forwards=1) == 0
+
+
+def test_probes_pay_for_feeding_the_drafter_what_it_missed():
+    """At batch 8 a perfect draft of 3 would still pay here, but a probe (one draft each, after 8 missed
+    tokens fed to 8 drafters) would not: no probes there. At batch 1 it would: probes."""
+    costs = StepCostModel(draft_cost=0.1, verify_token_cost=0.045, compute_bound_tokens=100)
+    policy = DraftLengthPolicy(3, costs, probe_interval=8)
+    assert policy.may_draft(8) and policy.may_draft(1)
+    hopeless = {f"r{i}": 0 for i in range(8)}
+    for _ in range(40):
+        _step(policy, hopeless, batch=8)
+    assert policy.counters.get("probes", 0) == 0
+    for _ in range(40):
+        _step(policy, {"a": 0}, batch=1)
+    assert policy.counters.get("probes", 0) >= 4

@@ -12,9 +12,9 @@ plain target step (``StepCostModel``: configured, then measured while serving,
 chosen only when it beats the target alone; then the drafter does no work for
 the request. Requests left at 0 are probed with one draft every
 ``probe_interval`` steps of the policy, all in the same step so that they share
-one drafter forward, and only where drafting could pay at all (perfect
-acceptance would beat the target alone), so that their estimates cannot freeze
-at 0. A policy whose costs are still being measured (``costs_pending``) drafts
+one drafter forward, and only where such a probe could pay (one accepted draft
+each would beat the target alone, with the drafter first fed the tokens it
+missed since the last probe), so that their estimates cannot freeze at 0. A policy whose costs are still being measured (``costs_pending``) drafts
 nothing: no length is known to pay yet. Where steps with drafts were measured to
 emit fewer tokens per second than steps without (``slower_buckets``, from
 ``step_rates.py``), the batch-size bucket drafts only in a re-test window of
@@ -93,6 +93,12 @@ class StepCostModel:
         drafted = self.target_step(batch * (1 + length)) + forwards * (self.draft_forward_cost + batch * self.draft_cost)
         return drafted / self.target_step(batch)
 
+    def catch_up_cost(self, batch: int, tokens: int) -> float:
+        """Feeding ``tokens`` missed tokens to each of ``batch`` requests' drafters first, over the plain step
+        (priced as that many one-token forwards per request: an upper bound for a batched feed)."""
+        batch = max(batch, 1)
+        return tokens * batch * self.draft_cost / self.target_step(batch)
+
 
 class _Acceptance:
     """Decayed counts per draft position: drafts offered there (all before accepted) and accepted."""
@@ -131,6 +137,7 @@ class DraftLengthPolicy:
                  costs_pending: bool = False, counters: MutableMapping[str, int] | None = None) -> None:
         self.k = k
         self._pays: dict[int, bool] = {}  # batch size -> whether any length could pay there
+        self._probes_pay: dict[tuple[int, int], bool] = {}  # (batch size, extra forwards) -> whether a probe could
         self.costs = costs or StepCostModel()
         self.costs_pending = costs_pending
         self.slower_buckets: frozenset[int] = frozenset()  # batch-size buckets where drafting measured slower
@@ -150,6 +157,7 @@ class DraftLengthPolicy:
         """New costs (measured ones, say): whether a batch size can pay is worked out again."""
         self._costs = costs
         self._pays.clear()
+        self._probes_pay.clear()
 
     # -- what happened last step -----------------------------------------------------------
     def observe(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
@@ -238,7 +246,7 @@ class DraftLengthPolicy:
         drafting writes one token past the last it proposes, which more text could still grow)."""
         if not self.may_draft(batch):
             return [0] * len(req_ids)
-        probe_step = self._steps % self.probe_interval == 0
+        probe_step = self._steps % self.probe_interval == 0 and self._probe_pays(batch, extra_forwards)
         out: list[int] = []
         for req_id in req_ids:
             length = self.best_length(self.acceptance(req_id), batch, extra_forwards)
@@ -247,6 +255,17 @@ class DraftLengthPolicy:
                 self.counters["probes"] = self.counters.get("probes", 0) + 1
             out.append(length)
         return out
+
+    def _probe_pays(self, batch: int, extra_forwards: int) -> bool:
+        """Whether one accepted draft each could pay for a probe step: its drafts, and feeding each
+        probed request's drafter the ``probe_interval`` tokens it missed since its last probe."""
+        key = (batch, extra_forwards)
+        pays = self._probes_pay.get(key)
+        if pays is None:
+            cost = (self.costs.relative_cost(batch, 1, extra_forwards)
+                    + self.costs.catch_up_cost(batch, self.probe_interval))
+            pays = self._probes_pay[key] = 2.0 / cost > MIN_GAIN
+        return pays
 
 
 class FixedLength:
