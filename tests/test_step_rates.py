@@ -73,3 +73,13 @@ def test_a_drafting_bucket_without_plain_cycles_is_named_and_goes_without_drafts
         drafts_at_8.append(policy.may_draft(8))
         assert policy.may_draft(1)
     assert drafts_at_8.count(False) == 2 * RETEST_STEPS, "one window without drafts per interval"
+
+
+def test_a_few_cycles_with_a_one_off_cost_do_not_decide():
+    """Drafting that pays (2 tokens in 0.15 s against 1 in 0.1 s), with every 12th drafted cycle also
+    feeding a new prompt to the drafter (2 s): the median still says drafting pays."""
+    rates = StepRates()
+    for i in range(KEPT_CYCLES):
+        rates.record(1, True, 2, 2.0 if i % 12 == 0 else 0.15)
+        rates.record(1, False, 1, 0.1)
+    assert rates.slower_buckets() == frozenset()

@@ -22,7 +22,7 @@ from vllm_usd.drafter.base import DrafterRuntime
 
 TIMING_BATCHES = (1, 4, 16)  # batch sizes timed (as far as the runtime takes that many requests)
 CONTEXT_TOKENS = 32  # each throw-away request's context before the timed forwards
-TIMED_FORWARDS = 5  # one-token forwards timed per batch size, after one untimed; their median counts
+TIMED_FORWARDS = 9  # one-token forwards timed per batch size, after one untimed; their median counts
 _REQUEST_PREFIX = "__vllm_usd_timing__"
 
 

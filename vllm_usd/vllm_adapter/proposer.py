@@ -272,8 +272,9 @@ class UniversalProposer:
                         "costs; trying again later", calibration.seen)
             return
         if slower != self.policy.slower_buckets:
-            logger.info("vllm-usd: drafting measured slower than no drafting at batch sizes %s",
-                        ", ".join(f"{1 << b}-{(2 << b) - 1}" for b in sorted(slower)) or "none")
+            logger.info("vllm-usd: drafting measured slower than no drafting at batch sizes %s (tokens/s: %s)",
+                        ", ".join(f"{1 << b}-{(2 << b) - 1}" for b in sorted(slower)) or "none",
+                        calibration.rates.rates())
         log = logger.debug if self.costs_measured else logger.info
         self.policy.costs, self.policy.costs_pending, self.costs_measured = measured, False, True
         self.policy.slower_buckets, self.policy.unmeasured_plain_buckets = slower, unmeasured_plain
