@@ -83,3 +83,13 @@ def test_a_few_cycles_with_a_one_off_cost_do_not_decide():
         rates.record(1, True, 2, 2.0 if i % 12 == 0 else 0.15)
         rates.record(1, False, 1, 0.1)
     assert rates.slower_buckets() == frozenset()
+
+
+def test_the_rate_is_tokens_over_seconds_not_a_median_of_cycles():
+    """Drafts all rejected in most cycles (1 token in 0.15 s) but four tokens in the rest: 2.2 tokens
+    per 0.15 s on the whole, faster than 1 token per 0.1 s, though the median cycle is slower."""
+    rates = StepRates()
+    for i in range(KEPT_CYCLES):
+        rates.record(1, True, 4 if i % 5 < 2 else 1, 0.15)
+        rates.record(1, False, 1, 0.1)
+    assert rates.rate(0, True) > rates.rate(0, False) and rates.slower_buckets() == frozenset()

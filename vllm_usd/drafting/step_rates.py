@@ -7,8 +7,7 @@ drafts, which for a small or fast target can outweigh the forwards. ``StepRates`
 outcome instead: for each batch-size bucket (1, 2-3, 4-7, 8-15, ...) it keeps the latest
 cycles with drafts and without, each cycle being one engine step and the drafting that fed it
 (from the start of one propose to the start of the next) with the tokens the step emitted. Where
-both kinds have enough cycles and the drafted ones emitted fewer tokens per second (medians),
-drafting
+both kinds have enough cycles and the drafted ones emitted fewer tokens per second, drafting
 does not pay at that batch size, whatever the model says: the policy then drafts there only in
 an occasional re-test window of consecutive steps (a request that drafted nothing for a while
 first catches its drafter up, a cost a window spreads as steady drafting does), so that a
@@ -27,6 +26,7 @@ from collections import defaultdict, deque
 
 KEPT_CYCLES = 32  # the latest cycles kept per bucket and kind: two re-test windows replace them
 MIN_CYCLES = 16  # a verdict needs at least this many cycles of each kind in a bucket
+OUTLIER_FACTOR = 3.0  # cycles longer than this times the median of their kind are left out
 
 
 def bucket(batch: int) -> int:
@@ -47,14 +47,18 @@ class StepRates:
             self._cycles[bucket(batch)][bool(drafted)].append((tokens, seconds))
 
     def rate(self, batch_bucket: int, drafted: bool) -> float | None:
-        """The median tokens per second of the kept cycles of that kind; None with fewer than MIN_CYCLES.
+        """Tokens per second of the kept cycles of that kind; None with fewer than MIN_CYCLES.
 
-        A median, not a total: a few cycles that carry a one-off cost (a new request's prompt fed
-        to its drafter, a pause of the machine) do not decide the verdict."""
+        Tokens over seconds (a median of each cycle's rate would count a cycle whose drafts were all
+        rejected as much as one that emitted four tokens), leaving out cycles that took over
+        ``OUTLIER_FACTOR`` times the median: a one-off cost (a new request's prompt fed to its
+        drafter, a pause of the machine) does not decide the verdict."""
         cycles = self._cycles.get(batch_bucket, {}).get(drafted, ())
         if len(cycles) < MIN_CYCLES:
             return None
-        return statistics.median(t / s for t, s in cycles)
+        limit = OUTLIER_FACTOR * statistics.median(s for _, s in cycles)
+        kept = [(t, s) for t, s in cycles if s <= limit]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
     def rates(self) -> dict[str, dict[str, float | None]]:
         """Per bucket ("1-1", "2-3", ...): tokens per second with drafts and without (for stats and logs)."""
