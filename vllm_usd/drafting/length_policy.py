@@ -14,8 +14,9 @@ the request. Requests left at 0 are probed with one draft every
 ``probe_interval`` steps of the policy, all in the same step so that they share
 one drafter forward, and only where such a probe could pay (one accepted draft
 each would beat the target alone, with the drafter first fed the tokens it
-missed since the last probe), so that their estimates cannot freeze at 0. A policy whose costs are still being measured (``costs_pending``) drafts
-nothing: no length is known to pay yet. Where steps with drafts were measured to
+missed since the last probe), so that their estimates cannot freeze at 0. A
+policy whose costs are still being measured (``costs_pending``) drafts nothing:
+no length is known to pay yet. Where steps with drafts were measured to
 emit fewer tokens per second than steps without (``slower_buckets``, from
 ``step_rates.py``), the batch-size bucket drafts only in a re-test window of
 ``RETEST_STEPS`` steps every ``RETEST_INTERVAL``, whatever the model says; a bucket
@@ -225,8 +226,8 @@ class DraftLengthPolicy:
     def may_draft(self, batch: int) -> bool:
         """False where no request can get a draft at this batch size: the costs are still being
         measured, drafting was measured slower here (but for a re-test window now and then), this is
-        a window for measuring steps without drafts, or not
-        even perfect acceptance would beat the target alone. Every length is 0 then, and the step
+        a window for measuring steps without drafts, or not even perfect acceptance would beat the
+        target alone. Every length is 0 then, and the step
         needs no per-request work."""
         if self.costs_pending:
             return False
