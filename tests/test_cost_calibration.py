@@ -46,6 +46,19 @@ def test_the_fit_recovers_the_target_and_prices_the_drafter_in_its_unit():
         assert model.relative_cost(batch, length) == pytest.approx(truth, rel=0.05)
 
 
+def test_a_drafter_timed_per_batch_size_is_priced_at_those_sizes_in_the_fits_unit():
+    """A drafter cheaper at batch 1 than the line through its timings: the fit keeps each timed size."""
+    timed = DrafterTiming(per_forward=F0, per_request=F1, points=((1, 0.002), (4, 0.0046), (16, 0.0094)))
+    cal = CostCalibration(CONFIGURED, steps=300, drafter=timed)
+    _serve(cal)
+    model = cal.fit()
+    unit = A + B
+    assert [b for b, _ in model.draft_forward_points] == [1, 4, 16]
+    assert [c * unit for _, c in model.draft_forward_points] == pytest.approx([0.002, 0.0046, 0.0094], rel=0.15)
+    truth = (A + B * 4 + 3 * 0.002) / (A + B)
+    assert model.relative_cost(1, 3) == pytest.approx(truth, rel=0.05)
+
+
 def test_warmup_steps_and_too_few_timings_give_no_fit():
     cal = CostCalibration(CONFIGURED, steps=100, drafter=DRAFTER)
     for _ in range(WARMUP_STEPS):

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
-from vllm_usd.drafting.drafter_timing import DrafterTiming, time_drafter
+from vllm_usd.drafting.drafter_timing import TIMING_BATCHES, DrafterTiming, time_drafter
 
 
 class CostedRuntime(DrafterRuntime):
     """A runtime whose one-token forward of B requests advances a clock by f0 + f1 B (a prefill by more)."""
 
-    def __init__(self, f0: float, f1: float, max_requests: int = 64) -> None:
+    def __init__(self, f0: float, f1: float, max_requests: int = 64, cost=None) -> None:
         self._tokens = {}
         self.f0, self.f1, self.max_requests = f0, f1, max_requests
+        self.cost = cost or (lambda batch: self.f0 + self.f1 * batch)
         self.now = 0.0
         self.num_outputs, self.max_len = 8, 1 << 20
         self.batches: list[int] = []
@@ -39,7 +40,7 @@ class CostedRuntime(DrafterRuntime):
             assert n == len(self._tokens[r]), "the timing appends to what the runtime holds"
             self._tokens[r] = self._tokens[r] + list(new)
         first = 10.0 if len(self.batches) < 2 or self.batches[-1] != len(req_ids) else 1.0  # warm-up is slow
-        self.now += first * (self.f0 + self.f1 * len(req_ids)) * max(len(new) for new in new_tokens)
+        self.now += first * self.cost(len(req_ids)) * max(len(new) for new in new_tokens)
         self.batches.append(len(req_ids))
         return torch.zeros(len(req_ids), self.num_outputs)
 
@@ -50,7 +51,7 @@ def test_the_shared_and_per_request_costs_are_recovered_and_the_requests_freed()
     assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0005)
     assert timing.seconds(8) == pytest.approx(0.008)
     assert runtime.num_requests == 0, "the throw-away requests are gone"
-    assert sorted(set(runtime.batches)) == [1, 4, 16]
+    assert sorted(set(runtime.batches)) == sorted(TIMING_BATCHES)
 
 
 def test_batch_sizes_the_runtime_cannot_hold_are_skipped():
@@ -59,8 +60,8 @@ def test_batch_sizes_the_runtime_cannot_hold_are_skipped():
     assert max(runtime.batches) == 4 and runtime.num_requests == 0
     assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0005)
     one = CostedRuntime(f0=0.004, f1=0.0005, max_requests=1)
-    assert time_drafter(one, [5], clock=lambda: one.now) == DrafterTiming(per_forward=pytest.approx(0.0045),
-                                                                          per_request=0.0)
+    assert time_drafter(one, [5], clock=lambda: one.now) == DrafterTiming(
+        per_forward=pytest.approx(0.0045), per_request=0.0, points=((1, pytest.approx(0.0045)),))
     assert time_drafter(CostedRuntime(0.004, 0.0005, max_requests=0), [5]) is None
 
 
@@ -68,6 +69,31 @@ def test_a_cost_that_does_not_grow_with_the_batch_is_all_per_forward():
     runtime = CostedRuntime(f0=0.004, f1=0.0)
     timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
     assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_drafter_whose_cost_is_not_a_line_is_priced_at_each_timed_batch_size():
+    """8 ms at batch 1, then 6 ms + 7 ms a request (llama.cpp's SmolLM2 on two cores measured 10-12 ms
+    at 1 and 22-26 ms at 2): the line through the timings prices batch 1 far too high, the timing
+    itself at what it measured, in between by interpolation, and past 16 at 16's cost per request."""
+    def cost(batch: int) -> float:
+        return 0.008 if batch == 1 else 0.006 + 0.007 * batch
+
+    runtime = CostedRuntime(0.0, 0.0, cost=cost)
+    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    for batch in TIMING_BATCHES:
+        assert timing.seconds(batch) == pytest.approx(cost(batch))
+    assert timing.seconds(3) == pytest.approx((cost(2) + cost(4)) / 2)
+    assert timing.seconds(32) == pytest.approx(2 * cost(16))
+    line = timing.per_forward + timing.per_request
+    assert line > 1.2 * cost(1), "the line alone would overprice batch 1 (the case this exists for)"
+
+
+def test_a_timing_never_gets_cheaper_as_the_batch_grows():
+    """Noise made batch 4 time faster than batch 2: the batch-4 point is raised to batch 2's."""
+    runtime = CostedRuntime(0.0, 0.0, cost=lambda b: {1: 0.010, 2: 0.030, 4: 0.025}.get(b, 0.01 * b))
+    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    times = [t for _, t in timing.points]
+    assert times == sorted(times) and timing.seconds(4) == pytest.approx(0.030)
 
 
 def test_the_tiny_drafters_runtime_is_timed_and_left_as_it_was():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_usd.drafting.length_policy import (DraftLengthPolicy, FixedLength, StepCostModel,
-                                             draft_cost_from_weights)
+                                             draft_cost_from_weights, measured_cost)
 
 K = 4
 CHEAP = StepCostModel(draft_cost=0.02, verify_token_cost=0.045, compute_bound_tokens=5)
@@ -27,6 +29,27 @@ def test_cost_model_shape():
     assert StepCostModel(draft_cost=0.0).relative_cost(8, 3) > 3.5
     assert draft_cost_from_weights(100, 100) == 0.25 and draft_cost_from_weights(50, 100) == 0.15
     assert draft_cost_from_weights(0, 0) == 0.25, "sizes unknown: the drafter costs like an equal-sized one"
+
+
+def test_a_measured_cost_is_read_between_and_past_its_points():
+    points = ((1, 0.1), (2, 0.25), (4, 0.35), (16, 1.55))
+    assert [measured_cost(points, b) for b in (1, 2, 4, 16)] == pytest.approx([0.1, 0.25, 0.35, 1.55])
+    assert measured_cost(points, 3) == pytest.approx(0.3) and measured_cost(points, 10) == pytest.approx(0.95)
+    assert measured_cost(points, 32) == pytest.approx(3.1), "past the largest: its cost per request"
+    assert measured_cost(((4, 0.4),), 1) == 0.4, "below the smallest: the smallest's"
+
+
+def test_the_drafter_is_priced_by_its_points_where_it_has_them():
+    line = StepCostModel(draft_cost=0.06, draft_forward_cost=0.1, verify_token_cost=0.0, compute_bound_tokens=1e9)
+    timed = StepCostModel(draft_cost=0.06, draft_forward_cost=0.1, verify_token_cost=0.0, compute_bound_tokens=1e9,
+                          draft_forward_points=((1, 0.1), (4, 0.4)))
+    assert line.relative_cost(1, 3) == pytest.approx(1 + 3 * 0.16)
+    assert timed.relative_cost(1, 3) == pytest.approx(1 + 3 * 0.1)
+    assert timed.relative_cost(8, 1) == pytest.approx(1 + 0.8), "past 4: 4's cost per request"
+    assert timed.catch_up_cost(1, 8) == pytest.approx(0.8)
+    # priced a third lower at batch 1, the same acceptance drafts longer
+    acceptance = [0.5, 0.6, 0.7]
+    assert DraftLengthPolicy(3, timed).best_length(acceptance, 1) > DraftLengthPolicy(3, line).best_length(acceptance, 1)
 
 
 def test_drafts_long_when_acceptance_is_high_and_drafting_cheap():

@@ -17,7 +17,8 @@ In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b)
 ``compute_bound_tokens`` (a + b) / s (unbounded where no measured size is compute-bound),
 ``measured_tokens`` the largest N timed (past it, each token costs the average of that step),
 ``draft_forward_cost`` and ``draft_cost``: the drafter timing's per-forward and per-request
-seconds over a + b. With one N only, the configured shape is kept, scaled to the time measured
+seconds over a + b, and ``draft_forward_points`` its time at each timed batch size over a + b
+(these price the drafter where the timing kept them). With one N only, the configured shape is kept, scaled to the time measured
 at that N.
 
 The first fit is due after ``steps`` engine steps; later fits after twice as many steps each
@@ -90,7 +91,8 @@ class CostCalibration:
         if self.drafter is None:
             return model
         return replace(model, draft_forward_cost=round(self.drafter.per_forward / unit, 6),
-                       draft_cost=round(self.drafter.per_request / unit, 6))
+                       draft_cost=round(self.drafter.per_request / unit, 6),
+                       draft_forward_points=tuple((b, round(t / unit, 6)) for b, t in self.drafter.points))
 
     def _fit_target(self) -> tuple[float, StepCostModel] | None:
         """(seconds of a one-token step, the target part of the model in that unit).

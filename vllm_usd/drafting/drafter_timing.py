@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafting.length_policy import measured_cost
 
-TIMING_BATCHES = (1, 4, 16)  # batch sizes timed (as far as the runtime takes that many requests)
+TIMING_BATCHES = (1, 2, 4, 8, 16)  # batch sizes timed (as far as the runtime takes that many requests)
 CONTEXT_TOKENS = 32  # each throw-away request's context before the timed forwards
 TIMED_FORWARDS = 9  # one-token forwards timed per batch size, after one untimed; their median counts
 _REQUEST_PREFIX = "__vllm_usd_timing__"
@@ -28,12 +29,22 @@ _REQUEST_PREFIX = "__vllm_usd_timing__"
 
 @dataclass(frozen=True)
 class DrafterTiming:
-    """Seconds a one-token drafter forward takes: ``per_forward + per_request * batch``."""
+    """Seconds a one-token drafter forward takes at each batch size.
+
+    ``points``: (batch size, median seconds) where timed, never falling as the batch grows; the
+    cost in between is read off them (``measured_cost``). ``per_forward + per_request * batch`` is the
+    line through them, for logs and where no points were kept: a line can miss the small batches by
+    half (a drafter that is weight-read-bound at batch 1 and compute-bound from 2 on), and batch 1 is
+    where drafting pays most.
+    """
 
     per_forward: float
     per_request: float
+    points: tuple[tuple[int, float], ...] = ()
 
     def seconds(self, batch: int) -> float:
+        if self.points:
+            return measured_cost(self.points, batch)
         return self.per_forward + self.per_request * batch
 
 
@@ -53,8 +64,8 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
         seconds = _time_batch(runtime, batch, context, timed_forwards, clock)
         if seconds is None:
             break
-        points.append((batch, seconds))
-    return _fit(points) if points else None
+        points.append((batch, max(seconds, points[-1][1]) if points else seconds))  # never cheaper with more
+    return replace(_fit(points), points=tuple(points)) if points else None
 
 
 def _time_batch(runtime: DrafterRuntime, batch: int, context: list[int], timed_forwards: int,

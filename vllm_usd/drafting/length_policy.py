@@ -59,6 +59,20 @@ def draft_cost_from_weights(drafter_bytes: int, target_bytes: int) -> float:
     return round(DRAFT_COST_FIXED + DRAFT_COST_PER_WEIGHT * ratio, 4)
 
 
+def measured_cost(points: Sequence[tuple[int, float]], batch: int) -> float:
+    """A cost measured at some batch sizes (``points``, by size), read at ``batch``: linear between
+    two measured sizes, the smallest's below it, and past the largest its average per request times
+    ``batch`` (a size never measured is not assumed to come cheap)."""
+    first_batch, first = points[0]
+    if batch <= first_batch:
+        return first
+    for (b0, c0), (b1, c1) in zip(points, points[1:]):
+        if batch <= b1:
+            return c0 + (c1 - c0) * (batch - b0) / (b1 - b0)
+    last_batch, last = points[-1]
+    return last * batch / last_batch
+
+
 @dataclass(frozen=True)
 class StepCostModel:
     """Engine step time in units of a plain target step at batch 1.
@@ -69,7 +83,8 @@ class StepCostModel:
     average token of that step cost: a step the engine never ran is not assumed to come cheap.
     Each draft position adds one drafter forward: ``draft_forward_cost`` for the forward, shared by
     the batch, plus ``draft_cost`` per request in it. The configured model has no shared part;
-    a measured one (``cost_calibration.py``) has both.
+    a measured one (``cost_calibration.py``) has both, and ``draft_forward_points``: the forward's
+    cost timed at each of some batch sizes, which then prices it (``measured_cost``) in place of the line.
     """
 
     draft_cost: float = DRAFT_COST_FIXED + DRAFT_COST_PER_WEIGHT
@@ -77,6 +92,7 @@ class StepCostModel:
     compute_bound_tokens: float = COMPUTE_BOUND_TOKENS
     draft_forward_cost: float = 0.0
     measured_tokens: float = float("inf")
+    draft_forward_points: tuple[tuple[int, float], ...] = ()
 
     def _shape(self, tokens: float) -> float:
         return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
@@ -91,14 +107,22 @@ class StepCostModel:
         drafter forwards), over the plain step."""
         batch = max(batch, 1)
         forwards = length + extra_forwards
-        drafted = self.target_step(batch * (1 + length)) + forwards * (self.draft_forward_cost + batch * self.draft_cost)
+        drafted = self.target_step(batch * (1 + length)) + forwards * self.drafter_forward(batch)
         return drafted / self.target_step(batch)
+
+    def drafter_forward(self, batch: int) -> float:
+        """A one-token drafter forward of ``batch`` requests."""
+        if self.draft_forward_points:
+            return measured_cost(self.draft_forward_points, batch)
+        return self.draft_forward_cost + batch * self.draft_cost
 
     def catch_up_cost(self, batch: int, tokens: int) -> float:
         """Feeding ``tokens`` missed tokens to each of ``batch`` requests' drafters first, over the plain step
-        (priced as that many one-token forwards per request: an upper bound for a batched feed)."""
+        (priced as that many one-token forwards: an upper bound for a batched feed; of the line,
+        its part per request only)."""
         batch = max(batch, 1)
-        return tokens * batch * self.draft_cost / self.target_step(batch)
+        per_token = self.drafter_forward(batch) if self.draft_forward_points else batch * self.draft_cost
+        return tokens * per_token / self.target_step(batch)
 
 
 class _Acceptance:
