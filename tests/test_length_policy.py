@@ -143,7 +143,7 @@ def test_requests_without_evidence_keep_their_estimate():
     policy.observe(["a"], [[]])  # a discarded step: nothing emitted
     policy.observe(["a"], [[0]])  # and the next one has nothing pending: no evidence either
     assert policy.acceptance("a") == before
-    policy.forget_all_but(set())
+    policy.forget_all_but({"b"})  # a new request in its place: as many live requests as records, "a" must go
     assert policy.acceptance("a") != before, "a forgotten request starts again from the pooled estimate"
 
 

@@ -129,6 +129,20 @@ def test_kv_budget_skips_requests_instead_of_failing(pair):
     assert all(drafts[r] for r in "bc"), "a freed slot goes to the waiting request"
 
 
+def test_a_finish_the_proposer_never_saw_does_not_keep_the_drafter_slot(pair):
+    """vLLM runs a step with no scheduled tokens between two ``generate`` calls: it carries the last
+    request's finish and calls no propose. With one drafter slot, the next request must still get
+    it: every request the runner no longer holds is dropped, even when the next one takes its place."""
+    p = _proposer(pair, drafter_max_num_seqs=1)
+    runner = FakeRunner()
+    runner.add("a", _prompt(pair, " the keeper"))
+    assert runner.step(p, {})["a"]
+    runner.remove("a")  # finished, and the step that said so never reached propose
+    runner.add("b", _prompt(pair, " it was"))
+    assert runner.step(p, {})["b"], "the finished request's slot went to the new one"
+    assert not p.runtime.has("a") and p.counters["skipped_no_memory"] == 0
+
+
 def test_a_failing_step_returns_no_drafts_and_recovers(pair, monkeypatch):
     p = _proposer(pair)
     runner = FakeRunner()

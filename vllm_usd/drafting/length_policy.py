@@ -215,10 +215,9 @@ class DraftLengthPolicy:
             self._record(req_id).drafted = length
 
     def forget_all_but(self, live: Collection[str]) -> None:
-        """Drop the records of requests the engine no longer holds."""
-        if len(self._records) > len(live):
-            for req_id in [r for r in self._records if r not in live]:
-                del self._records[req_id]
+        """Drop the records of requests the engine no longer holds (``live``: a set or mapping)."""
+        for req_id in [r for r in self._records if r not in live]:
+            del self._records[req_id]
 
     def _record(self, req_id: str) -> _RequestRecord:
         record = self._records.get(req_id)

@@ -107,9 +107,9 @@ class RequestTable:
         self._undraftable.discard(req_id)
 
     def keep_only(self, live: Collection[str]) -> None:
-        """Forget every request the engine no longer holds."""
-        if len(self._states) + len(self._undraftable) <= len(live):
-            return
+        """Forget every request the engine no longer holds (``live``: a set or mapping). Checked one by
+        one every step: a finish can pass unseen (vLLM calls no propose in a step without scheduled
+        tokens), and a new request taking the finished one's place leaves the counts equal."""
         for req_id in [r for r in (*self._states, *self._undraftable) if r not in live]:
             self.forget(req_id)
 
