@@ -18,8 +18,8 @@ In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b)
 ``measured_tokens`` the largest N timed (past it, each token costs the average of that step),
 ``draft_forward_cost`` and ``draft_cost``: the drafter timing's per-forward and per-request
 seconds over a + b, and ``draft_forward_points`` its time at each timed batch size over a + b
-(these price the drafter where the timing kept them). With one N only, the configured shape is kept, scaled to the time measured
-at that N.
+(these price the drafter where the timing kept them). With one N only, the configured shape is
+kept, scaled to the time measured at that N.
 
 The first fit is due after ``steps`` engine steps; later fits after twice as many steps each
 time, up to one every ``MAX_FIT_INTERVAL`` steps, over every timing kept so far (the latest
