@@ -34,7 +34,7 @@ def _prompt(text):
 
 def _force(p, table: dict[str, int]) -> None:
     """The policy gives these lengths (and so may draft at any batch size)."""
-    p.policy.lengths = lambda req_ids, batch, extra_forwards=0: [table[r] for r in req_ids]
+    p.policy.lengths = lambda req_ids, batch, extra_forwards=0, kind="": [table[r] for r in req_ids]
     p.policy.may_draft = lambda batch: True
 
 

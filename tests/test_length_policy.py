@@ -134,6 +134,23 @@ def test_new_requests_start_from_the_pooled_estimate():
     assert policy.lengths(["new"], 1) == [0], "a pair that never accepts: new requests start without drafts"
 
 
+def test_each_kind_of_draft_has_its_own_pooled_estimate():
+    """Sampled TLI drafts that are never accepted must not talk a new greedy string request out of
+    drafting: its pooled estimate is the string drafts' (here all accepted), not the pair's."""
+    policy = DraftLengthPolicy(K, StepCostModel(draft_cost=0.1))
+    for i in range(60):
+        for kind, accepted in (("tli", 0), ("string", K)):
+            req_id = f"{kind}{i}"
+            n = policy.lengths([req_id], 1, kind=kind)[0]
+            if n:
+                policy.drafted([req_id], [n])
+            policy.observe([req_id], [[0] * (1 + min(accepted, n))])
+    policy.observe([], [])  # off the probe step
+    assert policy.lengths(["new_tli", "new_tli2"], 1, kind="tli") == [0, 0]
+    assert policy.lengths(["new_string"], 1, kind="string") == [K]
+    assert policy.acceptance("new_string")[0] > 0.9 > 0.1 > policy.acceptance("new_tli")[0]
+
+
 def test_requests_without_evidence_keep_their_estimate():
     policy = DraftLengthPolicy(K, CHEAP)
     for _ in range(5):

@@ -105,9 +105,13 @@ def test_drafted_text_becomes_the_targets_own_tokens_but_the_last(bpe_target_sp_
 def test_a_row_stops_once_it_has_its_length_and_others_go_on(bpe_target_sp_drafter):
     target, drafter, *_ = bpe_target_sp_drafter
     long_text = _drafter_ids(drafter, " keeper of the lighthouse walked down")
-    out, runtime, _ = _draft(bpe_target_sp_drafter, {"short": "the", "long": "the"},
-                             {"short": long_text, "long": long_text}, [1, 4], budget=len(long_text))
+    out, runtime, counters = _draft(bpe_target_sp_drafter, {"short": "the", "long": "the"},
+                                    {"short": long_text, "long": long_text}, [1, 4], budget=len(long_text))
     assert len(out[0]) == 1 and len(out[1]) == 4
+    # the forwards per row are counted: the long row ran more of them than the short one
+    per_row = {r: sum(r in call for call in runtime.calls) for r in ("short", "long")}
+    assert per_row["long"] > per_row["short"] >= 1, per_row
+    assert counters["string_row_forwards"] == sum(per_row.values())
     assert runtime.calls[0] == ["short", "long"], "one batched forward to start"
     assert all(call == ["long"] for call in runtime.calls[2:]), "the short row leaves the batch"
     assert len(runtime.calls) < len(long_text), "the long row stops at its length, before the budget"
@@ -300,11 +304,12 @@ def test_text_rows_read_their_text_as_the_drafter_cuts_it_and_tli_rows_the_share
 
 
 def test_the_policy_prices_a_string_row_one_forward_more_than_a_tli_row():
-    """auto mode: the greedy (string) rows' drafts take a drafter token past the last one they propose."""
+    """auto mode: the greedy (string) rows' drafts take a drafter token past the last one they propose,
+    and are pooled as their own kind."""
     p = _proposer(adaptive_length=True, draft_cost=0.001, compute_bound_tokens=100.0)
     asked = []
     real = p.policy.lengths
-    p.policy.lengths = lambda req_ids, batch, extra_forwards=0: asked.append((req_ids[0], extra_forwards)) or real(
-        req_ids, batch, extra_forwards)
+    p.policy.lengths = lambda req_ids, batch, extra_forwards=0, kind="": asked.append(
+        (req_ids[0], extra_forwards, kind)) or real(req_ids, batch, extra_forwards, kind)
     _runner().step(p, {})
-    assert sorted(asked) == [("g1", 1), ("g2", 1), ("s", 0)], asked
+    assert sorted(asked) == [("g1", 1, "string"), ("g2", 1, "string"), ("s", 0, "tli")], asked

@@ -5,7 +5,8 @@ Each step a request gets the length L that maximises
     (E[accepted drafts | L] + 1) / R(L)
 
 where E comes from the request's own recent per-position acceptance (decayed
-counts, shrunk towards a pooled estimate from every request of the pair), and
+counts, shrunk towards a pooled estimate from every request of the pair that
+drafts the same kind of draft: string or TLI), and
 R(L) is the step's cost when the batch drafts L per request, relative to the
 plain target step (``StepCostModel``: configured, then measured while serving,
 ``cost_calibration.py``). L = 0 scores exactly 1, so a length is
@@ -148,11 +149,12 @@ class _Acceptance:
 
 
 class _RequestRecord:
-    __slots__ = ("counts", "drafted")
+    __slots__ = ("counts", "drafted", "kind")
 
     def __init__(self, k: int) -> None:
         self.counts = _Acceptance(k)
         self.drafted = 0  # drafts handed over last step (0: nothing to observe)
+        self.kind = ""  # how its drafts are made: its pooled estimate is that kind's
 
 
 class DraftLengthPolicy:
@@ -169,7 +171,7 @@ class DraftLengthPolicy:
         self.unmeasured_plain_buckets: frozenset[int] = frozenset()  # drafting ones with no plain steps to compare
         self.probe_interval = max(int(probe_interval), 1)
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
-        self._pool = _Acceptance(k, INITIAL_WEIGHT, INITIAL_WEIGHT * INITIAL_ACCEPTANCE)
+        self._pools: dict[str, _Acceptance] = {}  # kind of draft -> its pooled counts
         self._records: dict[str, _RequestRecord] = {}
         self._steps = 0  # steps observed: probes fall on the same steps for every request
 
@@ -198,16 +200,23 @@ class DraftLengthPolicy:
                 continue  # nothing emitted (discarded step): no evidence
             num_accepted = min(len(sampled) - 1, length)
             record.counts.add(length, num_accepted, DECAY)
-            self._pool.add(length, num_accepted, 1.0)
-        self._cap_pool()
+            self._pool(record.kind).add(length, num_accepted, 1.0)
+        self._cap_pools()
 
-    def _cap_pool(self) -> None:
-        pool = self._pool
-        for j in range(self.k):
-            if pool.offered[j] > POOL_MAX_WEIGHT:
-                scale = POOL_MAX_WEIGHT / pool.offered[j]
-                pool.offered[j] *= scale
-                pool.accepted[j] *= scale
+    def _pool(self, kind: str) -> _Acceptance:
+        """The pooled counts of one kind of draft (string or TLI drafts accept differently)."""
+        pool = self._pools.get(kind)
+        if pool is None:
+            pool = self._pools[kind] = _Acceptance(self.k, INITIAL_WEIGHT, INITIAL_WEIGHT * INITIAL_ACCEPTANCE)
+        return pool
+
+    def _cap_pools(self) -> None:
+        for pool in self._pools.values():
+            for j in range(self.k):
+                if pool.offered[j] > POOL_MAX_WEIGHT:
+                    scale = POOL_MAX_WEIGHT / pool.offered[j]
+                    pool.offered[j] *= scale
+                    pool.accepted[j] *= scale
 
     def drafted(self, req_ids: Sequence[str], lengths: Sequence[int]) -> None:
         """What was handed over this step: observed from the next step's sampled tokens."""
@@ -227,9 +236,10 @@ class DraftLengthPolicy:
 
     # -- this step ---------------------------------------------------------------------------
     def acceptance(self, req_id: str) -> list[float]:
-        """Estimated acceptance at each draft position, given the earlier ones were accepted."""
-        counts = self._record(req_id).counts
-        pool = self._pool
+        """Estimated acceptance at each draft position, given the earlier ones were accepted: the
+        request's own counts, shrunk towards the pooled counts of its kind of draft."""
+        record = self._record(req_id)
+        counts, pool = record.counts, self._pool(record.kind)
         return [(counts.accepted[j] + PRIOR_WEIGHT * pool.rate(j)) / (counts.offered[j] + PRIOR_WEIGHT)
                 for j in range(self.k)]
 
@@ -264,15 +274,18 @@ class DraftLengthPolicy:
             pays = self._pays[batch] = self.best_length([1.0] * self.k, batch) > 0
         return pays
 
-    def lengths(self, req_ids: Sequence[str], batch: int, extra_forwards: int = 0) -> list[int]:
+    def lengths(self, req_ids: Sequence[str], batch: int, extra_forwards: int = 0, kind: str = "") -> list[int]:
         """This step's length for each request. ``batch``: requests in the target's step (drafted or not).
         ``extra_forwards``: drafter forwards their drafts take past one per drafted token (string
-        drafting writes one token past the last it proposes, which more text could still grow)."""
+        drafting writes one token past the last it proposes, which more text could still grow).
+        ``kind``: how they are drafted; each kind has its own pooled estimate (greedy string drafts
+        and sampled TLI drafts of one pair accept at different rates)."""
         if not self.may_draft(batch):
             return [0] * len(req_ids)
         probe_step = self._steps % self.probe_interval == 0 and self._probe_pays(batch, extra_forwards)
         out: list[int] = []
         for req_id in req_ids:
+            self._record(req_id).kind = kind
             length = self.best_length(self.acceptance(req_id), batch, extra_forwards)
             if length == 0 and probe_step:
                 length = 1
@@ -310,5 +323,5 @@ class FixedLength:
     def may_draft(self, batch: int) -> bool:
         return True
 
-    def lengths(self, req_ids: Sequence[str], batch: int, extra_forwards: int = 0) -> list[int]:
+    def lengths(self, req_ids: Sequence[str], batch: int, extra_forwards: int = 0, kind: str = "") -> list[int]:
         return [self.k] * len(req_ids)

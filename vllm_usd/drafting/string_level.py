@@ -67,6 +67,7 @@ class StringDrafting:
                  for tail, state, n in zip(rows.target_tails, rows.states, lengths)]
         context = [len(seq) for seq in rows.sequences]
         active = list(range(len(rows)))
+        forwards = len(rows)  # drafter forwards, counted per row: the catch-up's last, then one per token
         with self.timer.phase("drafter_forward"):
             logits = self.runtime.catch_up(rows.req_ids, rows.sequences, rows.unchanged)  # [B, V_draft]
         for step in range(self.budget):
@@ -79,11 +80,13 @@ class StringDrafting:
             with self.timer.phase("drafter_forward"):
                 logits = self.runtime.forward([rows.req_ids[a] for a in go_on], [context[a] for a in go_on],
                                               [[t] for t in next_tokens])
+            forwards += len(go_on)
             for a in go_on:
                 context[a] += 1
             active = go_on
         out = [t.proposed for t in texts]
         self.counters["string_rows"] += len(out)
+        self.counters["string_row_forwards"] += forwards
         self.counters["string_proposed"] += sum(len(p) for p in out)
         return out
 

@@ -308,7 +308,8 @@ class UniversalProposer:
         """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
         def length_of(req_id: str, state) -> int:
             # a string row drafts one token past its last proposed one (held back: more text could grow it)
-            n = self.policy.lengths([req_id], batch, int(self._drafts_text(state.temperature)))[0]
+            text = self._drafts_text(state.temperature)
+            n = self.policy.lengths([req_id], batch, int(text), "string" if text else "tli")[0]
             if n == 0:
                 self.counters["length_0"] += 1
             return n
