@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = engines["usd"].collective_rpc(proposer_stats)[0] or {}
         counters = stats.get("counters", {})  # rows per chosen length (length_0 ...), probes, string rows
         costs = {key: stats.get(key) for key in ("costs", "costs_measured", "drafter_timing", "slower_buckets",
-                                                  "step_rates")}
+                                                  "step_rates", "pooled_acceptance")}
     rows = []
     for temperature, batch in settings:
         def of(name):

@@ -148,7 +148,9 @@ def test_each_kind_of_draft_has_its_own_pooled_estimate():
     policy.observe([], [])  # off the probe step
     assert policy.lengths(["new_tli", "new_tli2"], 1, kind="tli") == [0, 0]
     assert policy.lengths(["new_string"], 1, kind="string") == [K]
-    assert policy.acceptance("new_string")[0] > 0.9 > 0.1 > policy.acceptance("new_tli")[0]
+    assert policy.acceptance("new_string")[0] > 0.9 > 0.2 > policy.acceptance("new_tli")[0]
+    pooled = policy.pooled_acceptance()
+    assert sorted(pooled) == ["string", "tli"] and pooled["string"][0] > 0.9 > 0.2 > pooled["tli"][0]
 
 
 def test_requests_without_evidence_keep_their_estimate():

@@ -313,3 +313,4 @@ def test_the_policy_prices_a_string_row_one_forward_more_than_a_tli_row():
         (req_ids[0], extra_forwards, kind)) or real(req_ids, batch, extra_forwards, kind)
     _runner().step(p, {})
     assert sorted(asked) == [("g1", 1, "string"), ("g2", 1, "string"), ("s", 0, "tli")], asked
+    assert sorted(p.stats()["pooled_acceptance"]) == ["string", "tli"], "each kind's pool is reported"

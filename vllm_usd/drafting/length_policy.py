@@ -243,6 +243,10 @@ class DraftLengthPolicy:
         return [(counts.accepted[j] + PRIOR_WEIGHT * pool.rate(j)) / (counts.offered[j] + PRIOR_WEIGHT)
                 for j in range(self.k)]
 
+    def pooled_acceptance(self) -> dict[str, list[float]]:
+        """Per kind of draft: the pooled acceptance at each position (for stats and logs)."""
+        return {kind: [round(pool.rate(j), 4) for j in range(self.k)] for kind, pool in sorted(self._pools.items())}
+
     def best_length(self, acceptance: Sequence[float], batch: int, extra_forwards: int = 0) -> int:
         """The length with the most (expected accepted + 1) per unit of step time; 0 unless one pays.
         ``extra_forwards``: drafter forwards a draft takes past one per drafted token."""

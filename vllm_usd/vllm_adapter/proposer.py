@@ -205,6 +205,7 @@ class UniversalProposer:
             "costs_measured": self.costs_measured,
             "drafter_timing": dataclasses.asdict(self.drafter_timing) if self.drafter_timing else None,
             "slower_buckets": sorted(getattr(self.policy, "slower_buckets", ())),
+            "pooled_acceptance": self.policy.pooled_acceptance() if hasattr(self.policy, "pooled_acceptance") else None,
             "step_rates": self._calibration.rates.rates() if self._calibration is not None else None,
         }
 
