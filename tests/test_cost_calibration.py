@@ -164,36 +164,3 @@ def test_past_the_largest_step_timed_each_token_costs_the_average_of_that_step()
     assert model.target_step(8) == pytest.approx(2 * model.target_step(4))
     assert DraftLengthPolicy(3, model).best_length([1.0, 1.0, 1.0], batch=8) == 0
     assert DraftLengthPolicy(3, model).best_length([0.9, 0.9, 0.9], batch=1) > 0
-
-
-def test_sizes_timed_often_are_priced_as_timed_where_the_fit_would_bend():
-    """Batch 1's steps of 1 to 4 tokens all take 100 ms (reading the weights), batch 8's plain steps
-    150 ms and batch 32's 400 ms. The fit's line through 1 to 8 tokens gives batch 1's drafts a cost
-    they do not have; the timed sizes price them as timed, and sizes between by the line between."""
-    def step(n):
-        return {1: 0.100, 2: 0.100, 3: 0.099, 4: 0.100, 8: 0.150, 32: 0.400}[n]
-
-    cal = CostCalibration(CONFIGURED, steps=400, drafter=DrafterTiming(per_forward=0.0, per_request=0.0))
-    plan = [1, 2, 3, 4, 8, 32]
-    for i in range(WARMUP_STEPS + 1 + 60 * len(plan)):
-        cal.count_step()
-        n = plan[i % len(plan)]
-        cal.record_step(n, step(n))
-    model = cal.fit()
-    assert model.verify_token_cost > 0.01, "the fit alone bends through batch 8's steps"
-    assert [n for n, _ in model.target_step_points] == plan
-    assert model.relative_cost(1, 3) == pytest.approx(1.0, abs=1e-6), "batch 1's drafts cost what they were timed at"
-    assert model.target_step(3) == model.target_step(2), "a median below a smaller size's counts as that size's"
-    assert model.target_step(16) == pytest.approx(model.target_step(8) * (1 + 0.25 / 0.15 * 8 / 24))
-    assert model.target_step(64) == pytest.approx(2 * model.target_step(32)), "past the largest: its average token"
-
-
-def test_sizes_timed_too_few_times_are_left_to_the_fit():
-    cal = CostCalibration(CONFIGURED, steps=400)
-    for i in range(WARMUP_STEPS + 1 + 200):
-        cal.count_step()
-        n = 1 if i % 50 else 4  # 4 tokens: 4 timings, under MIN_SAMPLES
-        cal.record_step(n, A + B * n)
-    model = cal.fit()
-    assert [n for n, _ in model.target_step_points] == [1]
-    assert model.target_step(4) == pytest.approx(model.target_step_points[0][1] * (A + 4 * B) / (A + B), rel=0.05)

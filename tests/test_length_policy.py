@@ -52,16 +52,6 @@ def test_the_drafter_is_priced_by_its_points_where_it_has_them():
     assert DraftLengthPolicy(3, timed).best_length(acceptance, 1) > DraftLengthPolicy(3, line).best_length(acceptance, 1)
 
 
-def test_the_target_is_priced_by_its_step_points_between_them_and_by_the_shape_outside():
-    shape = StepCostModel(draft_cost=0.0, verify_token_cost=0.1, compute_bound_tokens=1e9)  # 1 + 0.1 (N - 1)
-    timed = StepCostModel(draft_cost=0.0, verify_token_cost=0.1, compute_bound_tokens=1e9,
-                          target_step_points=((2, 1.0), (4, 1.0), (8, 2.0)))
-    assert [timed.target_step(n) for n in (2, 3, 4, 6, 8)] == pytest.approx([1.0, 1.0, 1.0, 1.5, 2.0])
-    assert timed.target_step(1) == pytest.approx(1.0 / 1.1), "below the smallest timed size: the shape's ratio"
-    assert timed.target_step(16) == pytest.approx(2.0 * 2.5 / 1.7), "past the largest: the shape's ratio"
-    assert shape.relative_cost(2, 1) == pytest.approx(1.3 / 1.1) and timed.relative_cost(2, 1) == 1.0
-
-
 def test_drafts_long_when_acceptance_is_high_and_drafting_cheap():
     policy = DraftLengthPolicy(K, CHEAP)
     lengths = [_step(policy, {"a": K})["a"] for _ in range(10)]

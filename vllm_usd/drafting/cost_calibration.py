@@ -16,9 +16,6 @@ and puts both in one unit:
 In units of a + b (a plain step of one token): ``verify_token_cost`` b / (a + b),
 ``compute_bound_tokens`` (a + b) / s (unbounded where no measured size is compute-bound),
 ``measured_tokens`` the largest N timed (past it, each token costs the average of that step),
-``target_step_points`` the median at each N timed ``MIN_SAMPLES`` times or more, never falling as N
-grows (these price the step between the smallest and the largest such N; outside, the fit's ratio
-to the nearest one does),
 ``draft_forward_cost`` and ``draft_cost``: the drafter timing's per-forward and per-request
 seconds over a + b, and ``draft_forward_points`` its time at each timed batch size over a + b
 (these price the drafter where the timing kept them). With one N only, the configured shape is
@@ -129,19 +126,8 @@ class CostCalibration:
             return None
         bound = unit / s if s else UNBOUNDED_TOKENS
         model = replace(self.configured, verify_token_cost=round(b / unit, 6), compute_bound_tokens=round(bound, 4),
-                        measured_tokens=float(points[-1][0]), target_step_points=_step_points(points, unit))
+                        measured_tokens=float(points[-1][0]))
         return unit, model
-
-
-def _step_points(points: list[tuple[int, float, int]], unit: float) -> tuple[tuple[int, float], ...]:
-    """The medians of sizes timed often enough, in ``unit``; a median below a smaller size's is
-    raised to it (noise must not make more tokens look cheaper)."""
-    out: list[tuple[int, float]] = []
-    for n, t, count in points:
-        if count >= MIN_SAMPLES:
-            cost = max(t / unit, out[-1][1] if out else 0.0)
-            out.append((n, round(cost, 6)))
-    return tuple(out)
 
 
 # The target's fits weigh each size's median by its count over its square: relative errors.

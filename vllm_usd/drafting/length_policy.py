@@ -86,11 +86,6 @@ class StepCostModel:
     the batch, plus ``draft_cost`` per request in it. The configured model has no shared part;
     a measured one (``cost_calibration.py``) has both, and ``draft_forward_points``: the forward's
     cost timed at each of some batch sizes, which then prices it (``measured_cost``) in place of the line.
-    A measured model also has ``target_step_points``, the target's step timed at each of some token
-    counts: between the smallest and the largest they price the step (linear between two), and
-    outside them the shape's ratio to the nearest one does. The shape alone, fitted to a few sizes
-    far apart, can bend (a fit through batch 1's flat steps of 1 to 4 tokens and
-    batch 8's dearer ones gives batch 1's tokens a cost they do not have).
     """
 
     draft_cost: float = DRAFT_COST_FIXED + DRAFT_COST_PER_WEIGHT
@@ -99,23 +94,11 @@ class StepCostModel:
     draft_forward_cost: float = 0.0
     measured_tokens: float = float("inf")
     draft_forward_points: tuple[tuple[int, float], ...] = ()
-    target_step_points: tuple[tuple[int, float], ...] = ()
 
     def _shape(self, tokens: float) -> float:
         return max(1.0 + self.verify_token_cost * (tokens - 1), tokens / self.compute_bound_tokens)
 
     def target_step(self, tokens: int) -> float:
-        points = self.target_step_points
-        if not points:
-            return self._fitted_step(tokens)
-        (first_n, first), (last_n, last) = points[0], points[-1]
-        if tokens < first_n:  # outside the timed sizes: the fit's ratio to the nearest one
-            return first * self._fitted_step(tokens) / self._fitted_step(first_n)
-        if tokens > last_n:
-            return last * self._fitted_step(tokens) / self._fitted_step(last_n)
-        return measured_cost(points, tokens)
-
-    def _fitted_step(self, tokens: int) -> float:
         if tokens <= self.measured_tokens:
             return self._shape(tokens)
         return self._shape(self.measured_tokens) * tokens / self.measured_tokens
