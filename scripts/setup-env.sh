@@ -26,15 +26,30 @@ fi
 # fail to import next to torch+cpu and transformers imports them eagerly. vLLM runs
 # text models without them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# The drafter's CPU fast path. llama-cpp-python has no wheel on PyPI: it builds from source
-# (about 8 minutes on 2 cores, a C/C++ compiler and cmake from pip; pip's wheel cache keeps the
-# result). Without it the drafter runs in transformers: slower, equally lossless.
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-  echo "[vllm-usd] building llama-cpp-python (the drafter's CPU fast path; about 8 minutes the first time)"
-  if ! "$VENV/bin/python" -m pip install -q -e ".[llamacpp]"; then
-    echo "[vllm-usd] WARNING: llama-cpp-python did not build; the drafter will run in transformers" >&2
+# The drafter's CPU fast path: llama-cpp-python, built portable. No -march=native: every x86-64
+# (or Arm) CPU variant of ggml's kernels is built as a loadable backend, and vllm-usd's native
+# probe loads the one ggml scores best for the host it runs on (vllm_usd/drafter/native_probe.py).
+# The wheel is built once (about 20 minutes on 2 cores) into $VLLM_USD_CACHE/wheels, keyed by the
+# version and these flags, and installed from there: pip's own wheel cache is bypassed, since it
+# would hand back a build made with other flags, possibly on another host. Without it the drafter
+# runs in transformers: slower, equally lossless.
+LLAMA_CPP=llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
+portable() {
+  "$VENV/bin/python" -c "from vllm_usd.drafter.ggml_library import library_dir, cpu_variants; d = library_dir(); raise SystemExit(0 if d and cpu_variants(d) else 1)" 2>/dev/null
+}
+if ! portable; then
+  wheels="${VLLM_USD_CACHE:-$HOME/.cache/vllm-usd}/wheels/llama-cpp-python-$(echo "$LLAMA_CPP $LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)"
+  if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+    echo "[vllm-usd] building $LLAMA_CPP, portable (the drafter's CPU fast path; about 20 minutes, once)"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" "$VENV/bin/python" -m pip wheel -q --no-deps --no-cache-dir \
+      --no-binary llama-cpp-python "$LLAMA_CPP" -w "$wheels" \
+      || echo "[vllm-usd] WARNING: llama-cpp-python did not build; the drafter will run in transformers" >&2
   fi
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "$wheels"/*.whl
+    "$VENV/bin/python" -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3"  # llama-cpp-python's own needs
+  fi
 fi
 "$VENV/bin/python" -c "import vllm, transformers, vllm_usd; print('[vllm-usd] ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

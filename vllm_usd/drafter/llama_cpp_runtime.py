@@ -13,8 +13,8 @@ the Hugging Face tokenizer used for the mapping (checked at load).
 
 from __future__ import annotations
 
-import ctypes
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -27,6 +27,22 @@ BATCH_TOKENS = 512
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 KV_BYTES_PER_ELEMENT = 2  # llama.cpp's default f16 KV cache
 _backend_ready = False
+
+
+@dataclass(frozen=True)
+class NativeSettings:
+    """How llama.cpp runs on this host: which CPU kernels, and whether weights may go to its extra
+    buffer types (repacked, or AMX, layouts). The native probe (``native_probe.py``) chooses them."""
+
+    cpu_variant: str | None  # a portable build's ``libggml-cpu-<variant>.so``; None: a native build's one
+    extra_buffer_types: bool
+
+    def describe(self, buffer_types: list[str] | None = None) -> str:
+        from vllm_usd.drafter.ggml_library import variant_name
+
+        bufts = ("extra buffer types " + (", ".join(buffer_types) if buffer_types else "on")
+                 if self.extra_buffer_types else "no extra buffer types")
+        return f"llama.cpp ({variant_name(self.cpu_variant)} kernels, {bufts})"
 
 
 def llama_cpp_available() -> bool:
@@ -46,8 +62,11 @@ def cpu_threads() -> int:
 class LlamaCppDrafterRuntime(DrafterRuntime):
     """A GGUF drafter in llama.cpp, one KV stream per request."""
 
-    def __init__(self, gguf_path: str, *, vocab_size: int, kv_bytes_per_token: int, max_len: int,
-                 max_requests: int, kv_budget_bytes: int, threads: int | None = None) -> None:
+    def __init__(self, gguf_path: str, *, settings: NativeSettings, vocab_size: int, kv_bytes_per_token: int,
+                 max_len: int, max_requests: int, kv_budget_bytes: int, threads: int | None = None) -> None:
+        from vllm_usd.drafter.ggml_library import load_cpu_backend
+
+        load_cpu_backend(settings.cpu_variant)
         import llama_cpp
         from llama_cpp import _logger
 
@@ -57,8 +76,10 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             llama_cpp.llama_backend_init()
             _backend_ready = True
         self._ll = llama_cpp
+        self.settings = settings
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = settings.extra_buffer_types
         model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), mparams)
         if not model:
             raise ValueError(f"vllm-usd: llama.cpp cannot load the drafter GGUF {gguf_path!r}")
