@@ -65,3 +65,21 @@ class FakeRunner:
         drafts = proposer.propose(sampled, num, arr)
         self.last_drafts = dict(zip(ids, drafts))
         return dict(zip(ids, drafts))
+
+
+def small_gguf(path, n_bytes: int | None = None) -> str:
+    """A small, whole GGUF (two tensors) at ``path``; with ``n_bytes``, only its first n_bytes
+    (a negative count: all but the last -n_bytes)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    for name in ("token_embd.weight", "output.weight"):
+        writer.add_tensor(name, np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if n_bytes is not None:
+        data = path.read_bytes()
+        path.write_bytes(data[:n_bytes if n_bytes >= 0 else len(data) + n_bytes])
+    return str(path)

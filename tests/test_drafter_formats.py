@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fakes import small_gguf
 from vllm_usd.drafter import select
 from vllm_usd.drafter.loading import DrafterLoadError
 
@@ -13,7 +14,7 @@ from vllm_usd.drafter.loading import DrafterLoadError
 def folder_with_gguf(tmp_path):
     folder = tmp_path / "with-gguf"
     folder.mkdir()
-    (folder / "model.gguf").write_bytes(b"GGUF")
+    small_gguf(folder / "model.gguf")
     return str(folder)
 
 
@@ -37,8 +38,8 @@ def test_auto_without_a_gguf_is_transformers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(llama_cpp_runtime, "llama_cpp_available", lambda: True)
     assert select.choose(str(tmp_path), device="cpu").runtime == "transformers"
-    (tmp_path / "a.gguf").write_bytes(b"")
-    (tmp_path / "b.gguf").write_bytes(b"")
+    small_gguf(tmp_path / "a.gguf")
+    small_gguf(tmp_path / "b.gguf")
     assert select.choose(str(tmp_path), device="cpu").runtime == "transformers", "two GGUFs: not guessed"
     named = select.choose(str(tmp_path), gguf=str(tmp_path / "b.gguf"), device="cpu")
     assert named.runtime == "llama_cpp" and named.gguf.endswith("b.gguf")

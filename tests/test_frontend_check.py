@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.fakes import vllm_config
+from tests.fakes import small_gguf, vllm_config
 from tests.fixtures import tiny
 from vllm_usd.vllm_adapter import frontend, patches
 
@@ -65,6 +65,28 @@ def test_a_drafter_without_a_tokenizer(pair, tmp_path):
     _raises(vllm_config(target, {"drafter": str(tmp_path)}), "the drafter has no readable tokenizer")
 
 
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize("cut,match", [
+    (-100, r"is truncated: its tensors need \d+ bytes but the file has \d+"),  # the end of the weights lost
+    (40, r"cannot be read"),  # inside the header
+])
+def test_a_broken_gguf_is_refused_in_one_line(pair, tmp_path, cut, match):
+    """Named in usd.drafter_gguf or found in the drafter folder, a GGUF that is not whole is refused here,
+    before any engine process starts, with the fix; a whole one passes this check."""
+    import shutil
+
+    target, drafter = pair
+    line = _raises(vllm_config(target, {"drafter": drafter, "drafter_gguf": small_gguf(tmp_path / "d.gguf", cut)}), match)
+    assert "usd.drafter_runtime = \"transformers\"" in line
+    folder = tmp_path / "folder"
+    shutil.copytree(drafter, folder)
+    small_gguf(folder / "model.gguf", cut)
+    _raises(vllm_config(target, {"drafter": str(folder)}), match)
+    from vllm_usd.drafter.select import check_gguf
+
+    check_gguf(small_gguf(tmp_path / "whole.gguf"))
+
+
 def test_model_runner_v2_is_refused(pair):
     """vLLM's V2 runner has no custom_class proposers (VLLM_USE_V2_MODEL_RUNNER=1 forces it)."""
     target, drafter = pair
@@ -110,7 +132,7 @@ def test_the_worker_keeps_its_own_check(pair):
 
 
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import json, sys, time
     if __name__ == "__main__":
         started = time.perf_counter()
         from vllm import LLM
@@ -119,25 +141,38 @@ SCRIPT = textwrap.dedent("""
             LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
                 speculative_config={"method": "custom_class", "model": "vllm_usd.UniversalProposer",
                                     "num_speculative_tokens": 3},
-                additional_config={"usd": {"drafter": "/nonexistent"}})
+                additional_config={"usd": json.loads(sys.argv[2])})
         finally:
             print(f"TIMES import={imported - started:.2f} llm={time.perf_counter() - imported:.2f}", flush=True)
 """)
 
 
-@pytest.mark.engine
-def test_llm_with_a_bad_drafter_fails_in_the_front_end(pair, tmp_path):
-    target, _ = pair
+def _start(target: str, usd: dict, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
+    """``LLM(...)`` with vllm-usd's ``usd`` settings in a fresh interpreter: (the process, its last line)."""
+    import json
+
     script = tmp_path / "start.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    res = subprocess.run([sys.executable, str(script), target], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run([sys.executable, str(script), target, json.dumps(usd)], capture_output=True, text=True,
+                         timeout=300, env=env)
     out = res.stdout + res.stderr
     assert res.returncode != 0
-    last = res.stderr.strip().splitlines()[-1]
+    assert "EngineCore" not in out and "Engine core initialization failed" not in out, "an engine process started"
+    return res, res.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.engine
+def test_llm_with_a_bad_drafter_fails_in_the_front_end(pair, tmp_path):
+    target, drafter = pair
+    res, last = _start(target, {"drafter": "/nonexistent"}, tmp_path)
     assert last == ("ValueError: vllm-usd: drafter folder not found (additional_config.usd.drafter = '/nonexistent'). "
                     "Point it at a local model folder or a hub id."), last
-    assert "EngineCore" not in out and "Engine core initialization failed" not in out, "an engine process started"
     times = dict(kv.split("=") for kv in re.search(r"TIMES (.*)", res.stdout).group(1).split())
     print(f"\nfront-end failure: import vllm {times['import']} s, then LLM(...) raised after {times['llm']} s")
     assert float(times["llm"]) < 15, times  # was 22+ s after the import, with an engine core and a worker started
+    # a truncated GGUF: vllm-usd's one line is the last the user sees (the worker's loader wrapper would
+    # have added "The class constructor must accept VllmConfig as argument.")
+    gguf = small_gguf(tmp_path / "cut.gguf", -100)
+    _, last = _start(target, {"drafter": drafter, "drafter_gguf": gguf}, tmp_path)
+    assert last.startswith(f"ValueError: vllm-usd: the drafter GGUF '{gguf}' is truncated: its tensors need "), last

@@ -39,23 +39,94 @@ SLOW_FILE_TYPES = frozenset({3})
 AUTO_TARGET_TYPE = "q8_0"
 
 
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
 def file_type(gguf: str) -> int:
-    """The GGUF's ``general.file_type`` (llama_ftype), read by llama.cpp without loading its weights."""
-    import ctypes
+    """The GGUF's ``general.file_type`` (llama_ftype), read in Python (no native code in a worker)."""
+    return int(read_gguf(gguf)[0].get("general.file_type", -1))
 
-    import llama_cpp
 
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(gguf.encode(), params)
-    if not model:
-        raise ValueError(f"vllm-usd: llama.cpp cannot read the drafter GGUF {gguf!r}")
+def read_gguf(gguf: str) -> tuple[dict[str, object], list[tuple[int, int]]]:
+    """The GGUF's scalar metadata and, per tensor, (first byte, bytes) of its data; refused in one line
+    when the file is not a whole GGUF (a bad header, or tensors past the end of a truncated file)."""
+    fix = ("Re-download or re-convert it, point usd.drafter_gguf at a whole GGUF, or set "
+           "usd.drafter_runtime = \"transformers\".")
     try:
-        buf = ctypes.create_string_buffer(32)
-        n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
-        return int(buf.value) if n > 0 else -1
-    finally:
-        llama_cpp.llama_model_free(model)
+        meta, spans = _parse_gguf(gguf)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad file
+        raise ValueError(f"vllm-usd: the drafter GGUF {gguf!r} cannot be read ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'bad header'}). {fix}") from None
+    size = os.path.getsize(gguf)
+    end = max((first + n for first, n in spans), default=0)
+    if not spans or end > size:
+        raise ValueError(f"vllm-usd: the drafter GGUF {gguf!r} is truncated: its tensors need {end} bytes but the "
+                         f"file has {size}. {fix}")
+    return meta, spans
+
+
+def _parse_gguf(gguf: str) -> tuple[dict[str, object], list[tuple[int, int]]]:
+    """GGUF v2/v3 (little-endian): header, key-value pairs (arrays skipped), tensor infos."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(gguf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt: str):
+            nonlocal pos
+            values = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return values[0] if len(values) == 1 else values
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            if pos + n > len(buf):
+                raise ValueError("a string runs past the end of the file")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", errors="replace")
+
+        def value(kind: int):
+            nonlocal pos
+            if kind == _STRING:
+                return string()
+            if kind == _ARRAY:
+                item, count = take("I"), take("Q")
+                if item in (_STRING, _ARRAY):
+                    for _ in range(count):
+                        value(item)
+                else:
+                    pos += struct.calcsize("<" + _SCALAR[item]) * count
+                return None
+            return take(_SCALAR[kind])
+
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        pos = 4
+        version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("I"))
+        infos = []
+        for _ in range(n_tensors):
+            string()
+            dims = [take("Q") for _ in range(take("I"))]
+            kind, offset = take("I"), take("Q")
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            n = 1
+            for d in dims:
+                n *= d
+            infos.append((offset, n * size // block))
+        align = int(meta.get("general.alignment") or 32)
+        start = pos + (-pos % align)
+        return meta, [(start + offset, n) for offset, n in infos]
 
 
 def resolve(gguf_type: str, current: int) -> str | None:
@@ -77,8 +148,9 @@ def requantized_path(gguf: str, gguf_type: str, cache_root: str) -> Path:
     return Path(os.path.expanduser(cache_root)) / "gguf" / f"{stem}-{key}-{gguf_type}.gguf"
 
 
-def requantize(gguf: str, gguf_type: str, out: Path) -> None:
-    """Write ``gguf`` requantized to ``gguf_type`` at ``out``, atomically (ranks may race: same bytes)."""
+def requantize_here(gguf: str, gguf_type: str, out: Path) -> None:
+    """Write ``gguf`` requantized to ``gguf_type`` at ``out``, atomically (ranks may race: same bytes).
+    Native code: ``requantize`` runs it in the probe's child process."""
     import llama_cpp
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +164,17 @@ def requantize(gguf: str, gguf_type: str, out: Path) -> None:
         raise ValueError(f"vllm-usd: llama.cpp could not requantize {gguf!r} to {gguf_type} (code {rc}). "
                          "Set usd.drafter_gguf_type = \"file\" to run the GGUF as it is.")
     os.replace(tmp, out)
+
+
+def requantize(gguf: str, gguf_type: str, out: Path) -> None:
+    """``requantize_here`` in a child process: a crash or a hang there is a ValueError here."""
+    from vllm_usd.drafter.native_probe import run_child
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = run_child({"call": "requantize", "gguf": gguf, "gguf_type": gguf_type, "out": str(out)})
+    if not result.ok or not out.is_file():
+        raise ValueError(f"vllm-usd: llama.cpp could not requantize {gguf!r} to {gguf_type}: {result.outcome}. "
+                         "Set usd.drafter_gguf_type = \"file\" to run the GGUF as it is.")
 
 
 def drafter_gguf(gguf: str, gguf_type: str, cache_root: str) -> tuple[str, str]:

@@ -7,6 +7,9 @@
   GGUF is found (``usd.drafter_gguf``, or a single ``*.gguf`` file in the drafter folder);
   otherwise transformers.
 
+A llama.cpp choice runs only as its native probe proved it on this host (``native_probe.py``):
+with the settings that passed, or in transformers where none did (``proven``).
+
 ``usd.drafter_gguf_type`` (llama.cpp only): the GGUF as it is, or requantized once to a type
 llama.cpp runs faster (``gguf_types.py``).
 
@@ -19,14 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafter.llama_cpp_runtime import NativeSettings
 from vllm_usd.drafter.loading import DrafterLoadError, load_drafter_model, read_drafter
+
+logger = logging.getLogger("vllm.usd")
 
 # The transformers runtime's default format per device type. On the CPU int8 measured faster
 # (benchmarks/drafter_step.py: 21.6 vs 36.6 ms at batch 1) but costs 5-9% of the sampled
@@ -44,6 +51,12 @@ class DrafterChoice:
     device: str
     gguf: str | None = None
     gguf_type: str = "file"  # llama.cpp: usd.drafter_gguf_type ("file": the GGUF named), resolved by open_drafter
+    native: NativeSettings | None = None  # llama.cpp: the settings its probe passed (None: not probed yet)
+    probe: str = ""  # the probe's one-line verdict
+
+
+def _run_here(compute: Callable[[], DrafterChoice]) -> DrafterChoice:
+    return compute()
 
 
 def find_gguf(path: str, gguf: str | None) -> str | None:
@@ -56,6 +69,16 @@ def find_gguf(path: str, gguf: str | None) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+def check_gguf(gguf: str) -> None:
+    """Refuse, in one line, a GGUF that is not whole (read in Python: no native code)."""
+    from vllm_usd.drafter.gguf_types import read_gguf
+
+    try:
+        read_gguf(gguf)
+    except ValueError as exc:
+        raise DrafterLoadError(str(exc)) from None
+
+
 def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str | None = None,
            device: str = "cpu", gguf_type: str = "auto") -> DrafterChoice:
     """Decide the runtime and format from the settings, the device and what is installed."""
@@ -66,6 +89,7 @@ def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str |
         found = find_gguf(path, gguf)
         usable = on_cpu and found is not None and llama_cpp_available()
         if usable:
+            check_gguf(found)
             return DrafterChoice("llama_cpp", "gguf", "cpu", found, gguf_type)
         if runtime == "llama_cpp":
             why = ("it runs on the CPU only" if not on_cpu else
@@ -94,30 +118,69 @@ class OpenedDrafter:
     choice: DrafterChoice
 
 
+def probe_verdict(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, threads: int,
+                  timeout_s: float = 120.0, child: str | None = None):
+    """(the GGUF to run, its type, the native probe's ``NativeVerdict``) for a llama.cpp ``choice``."""
+    from vllm_usd import envs
+    from vllm_usd.drafter.gguf_types import drafter_gguf
+    from vllm_usd.drafter.native_probe import CHILD, prove_native
+
+    gguf, gguf_type = drafter_gguf(choice.gguf, choice.gguf_type, envs.cache_dir())
+    return gguf, gguf_type, prove_native(gguf, path, vocab_size=vocab_size, tokenizer=tokenizer, threads=threads,
+                                         cache_root=envs.cache_dir(), timeout_s=timeout_s, child=child or CHILD)
+
+
+def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, threads: int,
+           timeout_s: float, child: str | None) -> DrafterChoice:
+    """``choice`` (llama.cpp) as its probe proved it: the GGUF to run (requantized where
+    usd.drafter_gguf_type says) with the settings that passed here, or the transformers runtime
+    where none did. Logs the verdict in one line; never raises."""
+    fallback = DrafterChoice("transformers", AUTO_DTYPE["cpu"], "cpu")
+    try:
+        gguf, gguf_type, verdict = probe_verdict(choice, path, tokenizer=tokenizer, vocab_size=vocab_size,
+                                                 threads=threads, timeout_s=timeout_s, child=child)
+    except Exception as exc:  # noqa: BLE001 - a probe that cannot run proves nothing: no native code serves
+        line = (f"vllm-usd: the llama.cpp drafter could not be probed ({type(exc).__name__}: {exc}); "
+                f"the drafter runs on transformers {fallback.dtype} instead")
+        logger.warning("%s", line)
+        return dataclasses.replace(fallback, probe=line)
+    line = verdict.summary()
+    (logger.info if verdict.attempts and verdict.attempts[0]["outcome"] == "ok" else logger.warning)("%s", line)
+    if verdict.settings is None:
+        return dataclasses.replace(fallback, probe=line)
+    return dataclasses.replace(choice, gguf=gguf, gguf_type=gguf_type, native=verdict.settings, probe=line,
+                               dtype="gguf" if gguf_type == "file" else f"gguf/{gguf_type}")
+
+
 def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests: int, kv_budget_bytes: int,
                  revision: str | None = None, trust_remote_code: bool = False,
-                 threads: int | None = None, cuda_graphs: bool = False) -> OpenedDrafter:
+                 threads: int | None = None, cuda_graphs: bool = False,
+                 probe_on: Callable[[Callable[[], DrafterChoice]], DrafterChoice] = _run_here,
+                 probe_timeout_s: float = 120.0, probe_child: str | None = None) -> OpenedDrafter:
     """Load the drafter as ``choice`` says and wrap it in its runtime.
 
     ``threads``: llama.cpp's thread count (default: every CPU this process may run on); the
     transformers runtime uses torch's threads, which vLLM's worker sets.
     ``cuda_graphs``: on a CUDA device, replay the transformers drafter's one-token decode step
     from CUDA graphs captured per batch bucket (``decode_graphs.py``); elsewhere it has no effect.
+    A llama.cpp choice not yet probed is probed first (``proven``), by ``probe_on``: in this
+    process, or under tensor parallelism on rank 0 with the verdict sent to every rank.
     """
+    from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime, cpu_threads
+
     config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    threads = threads or cpu_threads()
+    if choice.runtime == "llama_cpp" and choice.native is None:
+        unproven = choice
+        choice = probe_on(lambda: proven(unproven, path, tokenizer=tokenizer, vocab_size=int(text_config.vocab_size),
+                                         threads=threads, timeout_s=probe_timeout_s, child=probe_child))
     if choice.runtime == "llama_cpp":
-        from vllm_usd import envs
-        from vllm_usd.drafter.gguf_types import drafter_gguf
-        from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime
-
-        gguf, gguf_type = drafter_gguf(choice.gguf, choice.gguf_type, envs.cache_dir())
-        choice = dataclasses.replace(choice, gguf=gguf, gguf_type=gguf_type,
-                                     dtype="gguf" if gguf_type == "file" else f"gguf/{gguf_type}")
         vocab_size = int(text_config.vocab_size)
         runtime: DrafterRuntime = LlamaCppDrafterRuntime(
-            gguf, vocab_size=vocab_size, kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT),
-            max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes, threads=threads)
+            choice.gguf, settings=choice.native, vocab_size=vocab_size,
+            kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT), max_len=max_len,
+            max_requests=max_requests, kv_budget_bytes=kv_budget_bytes, threads=threads)
         return OpenedDrafter(runtime, tokenizer, vocab_size, choice)
     from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
 
