@@ -55,3 +55,39 @@ class StringWithQProposer(UniversalProposer):
             n = self.mapping.size
             q = torch.full((len(rows), n), 1.0 / n, device=self.runtime.device)
             self._last_q = self._q_buffer.fill(rows, [q] * self.k, len(drafts))
+
+
+class HangThenCrashProbeProposer(UniversalProposer):
+    """Its native probe's child hangs on the best llama.cpp setting and segfaults on the next one
+    (tests/native_faults/hang_then_crash.py); the third setting (no extra buffer types) is sound."""
+
+    probe_child = "tests.native_faults.hang_then_crash"
+    probe_timeout_s = 20.0
+
+
+class CrashWithExtraBuffersProbeProposer(UniversalProposer):
+    """Its native probe's child segfaults on every llama.cpp setting with extra buffer types
+    (tests/native_faults/crash_with_extra_buffers.py): the worker drafts without them."""
+
+    probe_child = "tests.native_faults.crash_with_extra_buffers"
+
+
+class FailOnRankOneProposer(UniversalProposer):
+    """Drafting raises on tensor-parallel rank 1, every third drafting step (all ranks draft in step)."""
+
+    def _draft(self, rows, lengths):
+        self._draft_calls = getattr(self, "_draft_calls", 0) + 1
+        if self.rank == 1 and self._draft_calls % 3 == 0:
+            raise RuntimeError("planted failure on rank 1")
+        return super()._draft(rows, lengths)
+
+
+class SlowTargetProposer(UniversalProposer):
+    """Not a bug: each engine step looks 20 ms longer to the measured costs (the wait comes before
+    propose starts its clock), so that drafting the tiny pair pays, as on a real pair."""
+
+    def propose(self, *args, **kwargs):
+        import time
+
+        time.sleep(0.02)
+        return super().propose(*args, **kwargs)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import pytest
 
 from tests.engines import engine, proposer_stats, spec_counts, token_ids
-from tests.faults import NoCpuFixProposer, OmitQProposer, ScrambleQProposer, StringWithQProposer
+from tests.faults import (CrashWithExtraBuffersProbeProposer, NoCpuFixProposer, OmitQProposer, ScrambleQProposer,
+                          StringWithQProposer)
 from tests.prompts import LOWERCASE
 from tests.stats import ALPHA, homogeneity_pvalue
 
@@ -268,6 +269,47 @@ def test_each_drafter_format_is_lossless(pair, baseline, dtype):
     p = homogeneity_pvalue(baseline["t1"], samples)
     print(f"drafter {dtype}: p = {p:.2e}")
     assert p >= ALPHA, f"USD with a {dtype} drafter changed the output distribution: p = {p:.2e}"
+
+
+# -- the llama.cpp runtime, with each setting the native probe can leave it -------------------------
+@pytest.fixture(scope="module")
+def drafter_gguf(pair, tmp_path_factory):
+    """The drafter as an F32 GGUF: llama.cpp computes what transformers does, up to float rounding."""
+    from tests.fixtures.gguf_llama import write_llama_gguf
+
+    return write_llama_gguf(pair[1], tmp_path_factory.mktemp("gguf") / "drafter-f32.gguf")
+
+
+@pytest.mark.parametrize("proposer,extra_buffers", [(None, True), (CrashWithExtraBuffersProbeProposer, False)],
+                         ids=["best_kernels", "planted_crash_no_extra_buffers"])
+def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, proposer, extra_buffers):
+    """The drafter in llama.cpp as the native probe left it: the best kernels with their extra buffer types,
+    or (a planted segfault with them) without. Greedy equal with drafts accepted, and the same
+    sampling-distribution test (N = 30,000, pass at p >= ALPHA): q comes from the logits llama.cpp gave."""
+    target, drafter = pair
+    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf}
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=usd, proposer=proposer) as llm:
+        greedy = _greedy(llm)
+        accepted = spec_counts(llm)["accepted"]
+        samples = _samples(llm, "t1")
+        stats = proposer_stats(llm)
+    assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is extra_buffers
+    assert greedy == baseline["greedy"] and accepted > 0
+    p = homogeneity_pvalue(baseline["t1"], samples)
+    print(f"llama.cpp drafter ({stats['drafter_probe']}): p = {p:.2e}")
+    assert p >= ALPHA, f"USD with a llama.cpp drafter changed the output distribution: p = {p:.2e}"
+
+
+def test_llama_cpp_planted_bug_is_caught(pair, baseline, drafter_gguf):
+    """The same test rejects q on the wrong ids with the llama.cpp runtime."""
+    target, drafter = pair
+    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf}
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=usd, proposer=ScrambleQProposer) as llm:
+        samples = _samples(llm, "t1")
+        assert proposer_stats(llm)["drafter_runtime"] == "llama_cpp"
+    p = homogeneity_pvalue(baseline["t1"], samples)
+    print(f"planted bug ScrambleQProposer, llama.cpp drafter: p = {p:.2e}")
+    assert p < 1e-6, f"planted bug not detected with a llama.cpp drafter: p = {p:.2e}"
 
 
 # -- usd.draft_mode = "string" on sampled requests --------------------------------------------------

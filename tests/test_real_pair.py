@@ -111,13 +111,20 @@ def _greedy(llm, n_tokens: int = 64):
 REAL_ENGINE = dict(max_model_len=1024, max_num_seqs=32)
 
 
+@pytest.fixture(scope="module")
+def gemma_reference(real_pair):
+    """Gemma-3 alone: greedy output, and how long its engine took to start."""
+    started = time.perf_counter()
+    with engine(real_pair["gemma3"], **REAL_ENGINE) as llm:
+        return {"start_s": time.perf_counter() - started, "greedy": _greedy(llm)}
+
+
 @pytest.mark.engine
-def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
+def test_greedy_equal_gemma_target_smollm_drafter(real_pair, gemma_reference):
     """Both drafting modes: string-level (the default for greedy requests) and TLI."""
     from vllm import SamplingParams
 
-    with engine(real_pair["gemma3"], **REAL_ENGINE) as llm:
-        ref = _greedy(llm)
+    ref = gemma_reference["greedy"]
     with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, **REAL_ENGINE) as llm:
         assert _greedy(llm) == ref
         string_counts = spec_counts(llm)
@@ -149,6 +156,32 @@ def test_greedy_equal_gemma_target_smollm_drafter(real_pair):
                               [len(o.prompt_token_ids) for o in sample], ks=range(3, 4))
     print(f"estimated acceptance length at k=3: {est.greedy_length[3]:.2f} (engine: {counts['acceptance_length']:.2f})")
     assert abs(est.greedy_length[3] - counts["acceptance_length"]) <= 0.25 * counts["acceptance_length"]
+
+
+@pytest.mark.engine
+def test_native_faults_in_the_probe_leave_the_engine_up(real_pair, gemma_reference, tmp_path, capfd):
+    """Planted (tests/native_faults/hang_then_crash.py): in the worker's native probe, llama.cpp's best
+    setting hangs and the next one segfaults. The engine starts on the third (no extra buffer types)
+    within the probe's time limit plus a start-up, says why in one line, drafts, and stays lossless."""
+    from tests.faults import HangThenCrashProbeProposer
+
+    started = time.perf_counter()
+    with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, proposer=HangThenCrashProbeProposer,
+                env={"VLLM_USD_CACHE": str(tmp_path)}, **REAL_ENGINE) as llm:
+        start_s = time.perf_counter() - started
+        got = _greedy(llm)
+        stats = proposer_stats(llm)
+    log = "".join(capfd.readouterr())  # vLLM's log handler writes to stdout
+    line = stats["drafter_probe"]
+    print(f"\nstarted in {start_s:.0f} s (the target alone: {gemma_reference['start_s']:.0f} s)\n{line}")
+    assert got == gemma_reference["greedy"]
+    assert "hung (over 20 s)" in line and "crashed (SIGSEGV)" in line and "no extra buffer types" in line
+    assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is False
+    assert stats["counters"]["drafted_rows"] > 0
+    assert line in log, "the worker logs the verdict"
+    # the hang costs its time limit; the other children, the reference drafter and the requantization
+    # (a fresh cache) cost seconds
+    assert start_s < gemma_reference["start_s"] + HangThenCrashProbeProposer.probe_timeout_s + 60
 
 
 JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],

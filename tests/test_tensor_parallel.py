@@ -8,6 +8,9 @@ with the same q, or the ranks' token histories silently diverge.
 - Under sampling, both ranks record identical per-step digests of (drafts, q)
   (``usd.debug_digests``). A planted bug (``tests.faults.RankRngProposer``: drafting
   seeded with the rank) must make them differ, here and in test_proposer_lifecycle.
+- A drafting failure on one rank (``tests.faults.FailOnRankOneProposer``) drops that step's
+  drafts on every rank: the digests stay equal, every rank counts the step, and the
+  engine's Prometheus counter shows it.
 - The sampling-distribution test at TP=2, smaller sample: N = 6,000 two-token
   completions with and without USD, chi-square homogeneity, pass at p >= ALPHA
   = 1e-4 (false-alarm rate 0.01%, tests/stats.py). Its power against a wrong q
@@ -21,7 +24,7 @@ import os
 import pytest
 
 from tests.engines import engine, spec_counts, token_ids
-from tests.faults import RankRngProposer
+from tests.faults import FailOnRankOneProposer, RankRngProposer, SlowTargetProposer
 from tests.prompts import LOWERCASE
 from tests.stats import ALPHA, homogeneity_pvalue
 
@@ -151,7 +154,9 @@ def test_adaptive_lengths_are_the_same_on_every_rank(pair, tp1_plain):
 def test_measured_costs_are_rank_0s_on_every_rank(pair, tp1_plain):
     """Measured costs (the default): only rank 0 times its drafter at start-up, and each rank times its
     own target steps, but both must take rank 0's timing and fit (the timings differ between ranks),
-    and so choose the same lengths, drafts and q. Two requests one at a time first, past the window."""
+    and so choose the same lengths, drafts and q. Two requests one at a time first, past the window.
+    The target's steps look 20 ms longer (SlowTargetProposer), so that drafting pays and the ranks
+    have drafts to agree on."""
     from vllm import SamplingParams
 
     from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
@@ -160,7 +165,7 @@ def test_measured_costs_are_rank_0s_on_every_rank(pair, tp1_plain):
     usd = {"debug_digests": True, "adaptive_length": True, "cost_calibration_steps": 32}
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
-                distributed_executor_backend="mp", env=_bind_env(), usd=usd) as llm:
+                distributed_executor_backend="mp", env=_bind_env(), usd=usd, proposer=SlowTargetProposer) as llm:
         for prompt in LOWERCASE[:2]:
             llm.generate([prompt], greedy, use_tqdm=False)
         out = token_ids(llm.generate(LOWERCASE, greedy, use_tqdm=False))
@@ -174,5 +179,34 @@ def test_measured_costs_are_rank_0s_on_every_rank(pair, tp1_plain):
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]
     assert lengths[0] == lengths[1], lengths
     assert out == tp1_plain["greedy"]
-    # the measured costs may price this tiny drafter out (no drafts, no digests): the lengths must agree still
-    assert rank0 == rank1
+    assert rank0 and rank0 == rank1, f"{len(rank0)} and {len(rank1)} drafting steps"
+    assert any(n for key, n in lengths[0].items() if key != "length_0"), lengths
+
+
+def test_a_drafting_failure_on_one_rank_drops_the_step_on_every_rank(pair, tp1_plain):
+    """Planted: drafting raises on rank 1 every third drafting step. Every rank must drop that step's
+    drafts (rank 0's drafts verified against rank 1's missing q would split the ranks' histories):
+    equal, non-empty digests, the same failed steps counted on both ranks, greedy output unchanged,
+    and the failures on vLLM's Prometheus metrics."""
+    from vllm import SamplingParams
+
+    from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
+    from vllm_usd.vllm_adapter.failures import METRIC, PEER_FAILED
+
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
+                distributed_executor_backend="mp", env=_bind_env(), usd={"debug_digests": True},
+                proposer=FailOnRankOneProposer) as llm:
+        greedy = token_ids(llm.generate(LOWERCASE, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                                        use_tqdm=False))
+        llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
+        rank0, rank1 = llm.collective_rpc(draft_digests)
+        stats = llm.collective_rpc(proposer_stats)
+        metrics = {tuple(sorted(m.labels.items())): m.value for m in llm.get_metrics() if m.name == METRIC}
+    assert greedy == tp1_plain["greedy"]
+    assert rank0 and rank0 == rank1, f"{len(rank0)} and {len(rank1)} drafting steps"
+    failed = stats[1]["failures"].get("RuntimeError", 0)
+    assert failed > 0 and stats[0]["failures"] == {PEER_FAILED: failed}, [s["failures"] for s in stats]
+    assert stats[0]["counters"]["failed_steps"] == stats[1]["counters"]["failed_steps"] == failed
+    assert metrics[(("rank", "1"), ("reason", "RuntimeError"))] >= failed
+    assert metrics[(("rank", "0"), ("reason", PEER_FAILED))] >= failed

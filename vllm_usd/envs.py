@@ -10,8 +10,11 @@ the package, so that this file is the whole list:
     VLLM_USD_SKIP_FINGERPRINTS=1 experts only: apply the patches even where a vLLM function they
                                  rely on differs from every release vllm-usd was checked against
                                  (logged as a warning each time; see `vllm-usd doctor`)
-    VLLM_USD_CACHE=DIR           where the demo pair (and the tests' tiny fixtures) are cached;
-                                 default ~/.cache/vllm-usd
+    VLLM_USD_CACHE=DIR           where the demo pair (and the tests' tiny fixtures), requantized
+                                 GGUFs and the native probe's verdicts are cached; default ~/.cache/vllm-usd
+    VLLM_USD_METRICS_DIR=DIR     where workers leave their drafting-failure counts for the Prometheus
+                                 collector in the user's process; set there before the engine starts
+                                 (vllm_adapter/failures.py), a fresh temporary folder by default
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ DISABLE = "VLLM_USD_DISABLE"
 FIX_CPU_SAMPLER = "VLLM_USD_FIX_CPU_SAMPLER"
 SKIP_FINGERPRINTS = "VLLM_USD_SKIP_FINGERPRINTS"
 CACHE = "VLLM_USD_CACHE"
+METRICS_DIR = "VLLM_USD_METRICS_DIR"
 
-ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE)
+ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE, METRICS_DIR)
 
 
 def _flag(name: str) -> bool:
@@ -49,3 +53,12 @@ def set_fix_cpu_sampler() -> None:
 
 def cache_dir() -> str:
     return os.environ.get(CACHE) or "~/.cache/vllm-usd"
+
+
+def metrics_dir() -> str | None:
+    return os.environ.get(METRICS_DIR) or None
+
+
+def set_metrics_dir(path: str) -> None:
+    """Every engine process started from now on leaves its failure counts in ``path``."""
+    os.environ[METRICS_DIR] = path

@@ -81,6 +81,7 @@ class DecodeGraphs:
         self._buffers: object = None  # identity of the KV buffers the captures point at
         self.failed = False
         self.captures = 0
+        self.failure: BaseException | None = None  # why capture failed (counted by the proposer)
 
     def bucket(self, rows: int) -> int | None:
         """The smallest bucket that holds ``rows`` slot rows; None past the largest."""
@@ -127,6 +128,7 @@ class DecodeGraphs:
             replay, out = self._capture(fixed_step, (static_tokens, static_pos), self._pool)
         except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
             self.failed = True
+            self.failure = exc
             self._captured.clear()
             logger.warning("vllm-usd: capturing the drafter's decode step failed (%s: %s); it runs eagerly from "
                            "now on. Start vLLM with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)

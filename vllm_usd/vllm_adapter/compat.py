@@ -13,6 +13,8 @@ import contextlib
 from importlib import metadata
 from typing import Any, Callable
 
+import torch
+
 from vllm_usd.drafting.requests import NO_LIMIT, RequestSampling
 
 
@@ -184,6 +186,17 @@ def tp_broadcast_from_rank0(obj: Any) -> Any:
     if group is None or group.world_size == 1:
         return obj
     return group.broadcast_object(obj, src=0)
+
+
+def tp_any(flag: bool) -> bool:
+    """True on every tensor-parallel rank when ``flag`` is true on any (every rank must call it at the
+    same step); ``flag`` itself, with no collective, without tensor parallelism."""
+    group = _tp_group()
+    if group is None or group.world_size == 1:
+        return flag
+    votes = torch.tensor([int(flag)], dtype=torch.int32)
+    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    return bool(votes.item())
 
 
 def computed_on_tp_rank0(compute: Callable[[], Any]) -> Any:

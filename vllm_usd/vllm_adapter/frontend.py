@@ -86,6 +86,9 @@ def check_engine_config(vllm_config) -> None:
     """Raise one ``ValueError`` line when a vllm-usd ``speculative_config`` would fail in the worker."""
     if not wants_vllm_usd(vllm_config):
         return
+    from vllm_usd.vllm_adapter.failures import install_collector
+
+    install_collector()  # before the engine's processes start: they inherit where to leave their counts
     started = time.perf_counter()
     try:
         _check(vllm_config)

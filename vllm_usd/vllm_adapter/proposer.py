@@ -3,7 +3,8 @@
 vLLM builds it as ``UniversalProposer(vllm_config)`` in each worker and calls
 ``propose(...)`` once per step. The runner hook (``patches.py``) hands it the
 runner and scheduler output just before, and takes its draft probabilities
-just after. A step is three named parts: sync requests, draft, hand over.
+just after. A step is three named parts: sync requests, draft, hand over; then
+the tensor-parallel ranks keep the step's drafts, or all drop them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm_usd.drafting.length_policy import draft_cost_from_weights
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
+from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
 logger = logging.getLogger("vllm.usd")
@@ -40,6 +42,9 @@ class UniversalProposer:
     #: the patches this proposer needs in its worker process (see patches.PATCHES)
     patches: tuple[str, ...] = ("runner_hook", "cpu_expand_fix", "cpu_empty_topk_fix", "cpu_drafted_rows_recovery",
                                 "no_draft_plain_sampling")
+    #: the native probe's time limit per child process, and the child's module (tests plant faults there)
+    probe_timeout_s: float = 120.0
+    probe_child: str | None = None
 
     def __init__(self, vllm_config: Any) -> None:
         patches.apply(self.patches)
@@ -62,6 +67,7 @@ class UniversalProposer:
             kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
             revision=cfg.drafter_revision, trust_remote_code=trust,
             cuda_graphs=not compat.enforce_eager(vllm_config),
+            probe_on=compat.computed_on_tp_rank0, probe_timeout_s=self.probe_timeout_s, probe_child=self.probe_child,
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
         self.choice = opened.choice  # with the GGUF type resolved
@@ -91,6 +97,7 @@ class UniversalProposer:
         self.drafter_timing: DrafterTiming | None = None
         self.costs_measured = False
         self.rank = compat.tp_rank()
+        self.failures = FailureCounts(self.rank)
         self._digests = StepDigests()
         self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device)
         self._last_q: torch.Tensor | None = None
@@ -98,7 +105,6 @@ class UniversalProposer:
         self._scheduler_output = None
         self._last_end: float | None = None
         self._last_start: float | None = None
-        self._warned: set[str] = set()
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
             "%d matched by bytes only), k=%d, draft_mode=%s, draft_sampling=%s, adaptive_length=%s",
@@ -110,10 +116,8 @@ class UniversalProposer:
 
     def _drafter_max_len(self, vllm_config: Any) -> int:
         """The longest drafter context to hold: the setting, else twice the target's (tokenizers differ)."""
-        if self.config.drafter_max_model_len:
-            return self.config.drafter_max_model_len
         target = compat.target_max_model_len(vllm_config)
-        return 2 * target + self.k if target else 1 << 30
+        return self.config.drafter_max_model_len or (2 * target + self.k if target else 1 << 30)
 
     @property
     def _measures_costs(self) -> bool:
@@ -179,10 +183,6 @@ class UniversalProposer:
         return self.requests.counters
 
     @property
-    def timings(self) -> dict[str, float]:
-        return self.timer.timings
-
-    @property
     def num_request_states(self) -> int:
         return len(self.requests)
 
@@ -194,12 +194,14 @@ class UniversalProposer:
     def stats(self) -> dict[str, Any]:
         """Counters, phase timings (with usd.profile) and live state."""
         return {
-            "counters": dict(self.counters), "timings": dict(self.timings),
+            "counters": dict(self.counters), "timings": dict(self.timer.timings),
             "request_states": len(self.requests), "drafter_requests": self.runtime.num_requests,
             "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
-            "drafter_device": self.choice.device,
+            "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
+            "failures": dict(self.failures.by_reason),
+            "native_settings": dataclasses.asdict(self.choice.native) if self.choice.native else None,
             "draft_cost": getattr(getattr(self.policy, "costs", None), "draft_cost", None),
             "costs": dataclasses.asdict(self.policy.costs) if hasattr(self.policy, "costs") else None,
             "costs_measured": self.costs_measured,
@@ -226,22 +228,27 @@ class UniversalProposer:
             self.timer.add("outside_proposer", started - self._last_end)
         if self._calibration is not None:
             self._calibrate(started, sampled_token_ids)
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        parts, qs, failure = [], None, None
         try:
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
             rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, num_rows)
-            drafts: list[list[int]] = [[] for _ in range(num_rows)]
             if len(rows):
                 parts, batch = self._draft(rows, lengths)
-                self._hand_over(parts, batch, drafts)
-            return drafts
+                qs = self._hand_over(parts, batch, drafts)
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
-            self._recover(exc, num_rows)
-            return [[] for _ in range(num_rows)]
-        finally:
-            if self.config.profile or self._calibration is not None:
-                self._last_end = time.perf_counter()
-                self.timer.add("propose_total", self._last_end - started)
+            failure = exc
+        if compat.tp_any(failure is not None):  # every rank takes the same action: all drop the drafts, or none
+            self._recover(failure, num_rows)
+            drafts = [[] for _ in range(num_rows)]
+        elif parts:
+            self._record(parts, qs)
+        self.failures.check_graph_capture(self.runtime)
+        if self.config.profile or self._calibration is not None:
+            self._last_end = time.perf_counter()
+            self.timer.add("propose_total", self._last_end - started)
+        return drafts
 
     def _calibrate(self, started: float, sampled_token_ids: list[list[int]]) -> None:
         """Record the target's step that just ran, and the whole cycle (the drafting that fed it
@@ -357,9 +364,9 @@ class UniversalProposer:
         return parts, batch
 
     def _hand_over(self, parts: list[tuple[DraftRows, list[list[int]]]], batch: DraftBatch | None,
-                   drafts: list[list[int]]) -> None:
+                   drafts: list[list[int]]) -> list[torch.Tensor] | None:
         """Drafts into vLLM's per-row lists; the TLI rows' q into the buffer the runner hook passes on
-        (vLLM reads no q for greedy rows, and string drafts are point masses)."""
+        (vLLM reads no q for greedy rows, and string drafts are point masses). Returns q per position."""
         qs = None
         with self.timer.phase("map_and_q"):
             for part_rows, target in parts:
@@ -368,8 +375,11 @@ class UniversalProposer:
             if batch is not None:
                 qs = self._q_for_sampler(batch)
                 if qs is not None:
-                    tli_rows = parts[-1][0]  # _draft puts the TLI rows last
-                    self._last_q = self._q_buffer.fill(tli_rows.rows, qs, len(drafts))
+                    self._last_q = self._q_buffer.fill(parts[-1][0].rows, qs, len(drafts))  # TLI rows: last
+        return qs
+
+    def _record(self, parts: list[tuple[DraftRows, list[list[int]]]], qs: list[torch.Tensor] | None) -> None:
+        """Once every rank kept the step's drafts: the policy's, the digests' and the counters' record of them."""
         for part_rows, target in parts:
             # a string row that proposed nothing (TLI rows never do) counts to the policy as one rejected
             # draft: it cost drafter forwards, and the policy must see that drafting does not pay for it
@@ -380,12 +390,9 @@ class UniversalProposer:
         self.counters["steps"] += 1
         self.counters["drafted_rows"] += sum(len(p) for p, _ in parts)
 
-    def _recover(self, exc: Exception, num_rows: int) -> None:
-        """After a failed step: warn once per kind, and drop the affected requests' state."""
-        key = type(exc).__name__
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.exception("vllm-usd: drafting failed this step (%s); the affected requests go on without drafts", exc)
+    def _recover(self, exc: Exception | None, num_rows: int) -> None:
+        """Count a step that failed here (``exc``) or on another rank (None); drop its requests' drafting state."""
+        self.failures.record(type(exc).__name__ if exc is not None else PEER_FAILED, exc)
         self.counters["failed_steps"] += 1
         if self._runner is not None:
             for req_id in list(compat.runner_req_ids(self._runner))[:num_rows]:
