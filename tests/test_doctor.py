@@ -110,3 +110,30 @@ def test_vllm_033_from_the_cached_release(vllm_033):
     changed = {k for k in fingerprints.FUNCTIONS if table["0.32.0"][k] != table["0.33.0"][k]}
     assert changed == {"GPUModelRunner.propose_draft_token_ids", "EngineArgs.create_engine_config",
                        "VllmConfig._get_v2_model_runner_unsupported_features", "rejection_sample"}
+
+
+@pytest.mark.real_pair
+def test_doctor_shows_the_drafters_probe_verdict(real_pair, tmp_path):
+    """``--drafter``: the runtime, the settings tried with their buffer types and agreement, the cache entry;
+    the first call probes, the second reads the cache."""
+    from vllm_usd.drafter.llama_cpp_runtime import llama_cpp_available
+
+    if not llama_cpp_available():
+        pytest.fail("llama-cpp-python is not installed (scripts/setup-env.sh builds it)")
+    env_cache = {"VLLM_USD_CACHE": str(tmp_path)}
+    os.environ.update(env_cache)
+    try:
+        first = _doctor("--drafter", real_pair["smollm2"])
+        second = _doctor("--json", "--drafter", real_pair["smollm2"])
+    finally:
+        os.environ.pop("VLLM_USD_CACHE")
+    assert first.returncode == 0, first.stderr[-2000:]
+    lines = first.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("drafter "))
+    assert lines[head].startswith(f"drafter {real_pair['smollm2']}: llama_cpp (gguf/q8_0), GGUF ")
+    assert lines[head + 1].startswith("  probe: llama.cpp (") and ": ok: top-1 agreement " in lines[head + 1]
+    assert "verdict probed now in" in lines[-1] and str(tmp_path / "native-probe") in lines[-1]
+    report = json.loads(second.stdout)["drafter"]
+    assert report["probe"]["cached"] is True and report["probe"]["settings"]["extra_buffer_types"] is True
+    assert report["probe"]["attempts"][0]["buffer_types"] is not None
+    assert report["probe"]["cache_file"] in lines[-1]

@@ -2,7 +2,7 @@
 
     vllm-usd analyze TARGET DRAFTER [--text FILE] [--json]
     vllm-usd serve TARGET --drafter DRAFTER [-k K] [--usd KEY=VALUE ...] [vLLM server flags ...]
-    vllm-usd doctor [--json] [--vllm-source DIR]
+    vllm-usd doctor [--json] [--vllm-source DIR] [--drafter FOLDER [--drafter-gguf FILE] ...]
 """
 
 from __future__ import annotations
@@ -135,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_dr.add_argument("--json", action="store_true", help="print one JSON object")
     p_dr.add_argument("--vllm-source", metavar="DIR",
                       help="check an unpacked vLLM source tree (a folder holding vllm/) without importing it")
+    p_dr.add_argument("--drafter", metavar="FOLDER",
+                      help="also show how this drafter runs here: runtime, format, the native probe's verdict")
+    p_dr.add_argument("--drafter-gguf", metavar="FILE", help="as usd.drafter_gguf")
+    p_dr.add_argument("--drafter-gguf-type", default="auto", help="as usd.drafter_gguf_type")
+    p_dr.add_argument("--drafter-runtime", default="auto", help="as usd.drafter_runtime")
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
@@ -143,7 +148,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         report = diagnose(args.vllm_source)
-        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        text = format_report(report)
+        if args.drafter:
+            from vllm_usd.vllm_adapter.doctor import drafter_report, format_drafter
+
+            try:
+                report["drafter"] = drafter_report(args.drafter, gguf=args.drafter_gguf,
+                                                   gguf_type=args.drafter_gguf_type, runtime=args.drafter_runtime)
+            except ValueError as exc:  # a bad drafter or GGUF: vllm-usd's own one line
+                print(str(exc), file=sys.stderr)
+                return 2
+            text += "\n" + format_drafter(report["drafter"])
+        print(json.dumps(report, indent=2) if args.json else text)
         return 0 if report["supported"] else 1
     if args.command == "bench":
         if rest:

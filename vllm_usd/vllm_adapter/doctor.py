@@ -2,7 +2,11 @@
 
 It reports the vLLM version found, each patch with the fingerprints of the
 functions it relies on, whether vllm-usd will be active, the device the
-drafter uses, and the known platform bugs that apply. With ``vllm_source`` it
+drafter uses, and the known platform bugs that apply. With ``--drafter`` it also
+shows how that drafter would run on this host: its runtime and format, and for a
+llama.cpp drafter the native probe's verdict (``drafter/native_probe.py``: each
+setting tried, its buffer types, the measured agreement with transformers, and
+the cache entry), probing where nothing is cached yet. With ``vllm_source`` it
 checks an unpacked source tree (a folder holding ``vllm/``) instead, without
 importing it, so a machine that cannot run a vLLM release can still check it.
 """
@@ -109,6 +113,44 @@ def _default_runtime(on_cpu: bool | None) -> str | None:
     if on_cpu and llama_cpp_available():
         return "llama.cpp for drafters with a GGUF, else transformers " + AUTO_DTYPE["cpu"]
     return "transformers " + AUTO_DTYPE["cpu" if on_cpu else "cuda"] + ("" if not on_cpu else " (llama-cpp-python not installed)")
+
+
+def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "auto",
+                   runtime: str = "auto") -> dict[str, Any]:
+    """How ``drafter`` runs on this host's CPU, as a worker would start it (the probe's cache included)."""
+    from vllm_usd.drafter.llama_cpp_runtime import cpu_threads
+    from vllm_usd.drafter.loading import read_drafter
+    from vllm_usd.drafter.select import choose, probe_verdict
+
+    choice = choose(drafter, runtime=runtime, gguf=gguf, gguf_type=gguf_type, device="cpu")
+    report: dict[str, Any] = {"drafter": drafter, "runtime": choice.runtime, "format": choice.dtype,
+                              "gguf": choice.gguf, "probe": None}
+    if choice.runtime != "llama_cpp":
+        return report
+    config, tokenizer = read_drafter(drafter)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    run_gguf, run_type, verdict = probe_verdict(choice, drafter, tokenizer=tokenizer,
+                                                vocab_size=int(text_config.vocab_size), threads=cpu_threads())
+    report.update(gguf=run_gguf, format="gguf" if run_type == "file" else f"gguf/{run_type}",
+                  probe=verdict.as_dict(), probe_summary=verdict.summary())
+    if verdict.settings is None:
+        report.update(runtime="transformers", format="bfloat16")
+    return report
+
+
+def format_drafter(report: dict[str, Any]) -> str:
+    lines = [f"drafter {report['drafter']}: {report['runtime']} ({report['format']})"
+             + (f", GGUF {report['gguf']}" if report["runtime"] == "llama_cpp" else "")]
+    probe = report.get("probe")
+    if probe is None:
+        return "\n".join(lines)
+    for a in probe["attempts"]:
+        measured = (f": top-1 agreement {a['top1']:.2f}, log-prob gap {a['logprob_gap']:.3f} nats over {a['rows']} rows"
+                    if a.get("top1") is not None else "")
+        lines.append(f"  probe: {a['settings']}: {a['outcome']}{measured}")
+    lines.append(f"  reference: {probe['reference'] or 'none'}; verdict "
+                 f"{'cached' if probe['cached'] else 'probed now in %.1f s' % probe['seconds']}: {probe['cache_file']}")
+    return "\n".join(lines)
 
 
 def format_report(report: dict[str, Any]) -> str:
