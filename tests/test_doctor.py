@@ -129,7 +129,7 @@ def test_doctor_shows_the_drafters_probe_verdict(real_pair, tmp_path):
         os.environ.pop("VLLM_USD_CACHE")
     assert first.returncode == 0, first.stderr[-2000:]
     lines = first.stdout.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("drafter "))
+    head = next(i for i, line in enumerate(lines) if line.startswith(f"drafter {real_pair['smollm2']}: "))
     assert lines[head].startswith(f"drafter {real_pair['smollm2']}: llama_cpp (gguf/q8_0), GGUF ")
     assert lines[head + 1].startswith("  probe: llama.cpp (") and ": ok: top-1 agreement " in lines[head + 1]
     assert "verdict probed now in" in lines[-1] and str(tmp_path / "native-probe") in lines[-1]
