@@ -35,8 +35,9 @@ setup(
         "xformers": ["xformers"],
         # demo: converting the real model pair from its GGUF files (vllm_usd.demo_pair).
         "demo": ["gguf>=0.10"],
-        # llamacpp: the CPU fast path for GGUF drafters (usd.drafter_runtime). Builds from source
-        # (about 8 minutes on 2 cores); pip's wheel cache makes later installs quick.
+        # llamacpp: the CPU fast path for GGUF drafters (usd.drafter_runtime). Builds from source for
+        # this host's CPU; scripts/setup-env.sh builds it portable instead (README, Install). Either
+        # way a worker runs it only as the native probe allows (vllm_usd/drafter/native_probe.py).
         "llamacpp": ["llama-cpp-python==0.3.36"],
         # hypothesis: property tests; httpx, psutil: the soak; matplotlib: the benchmark plot
         # (bench_smoke draws it); gguf: the tests use the demo pair too.
