@@ -4,22 +4,25 @@
     bash scripts/gpu_check.sh              # the same, from the repo root
 
 Needs torch, transformers and tokenizers only (a GPU machine that cannot install vLLM
-runs it). Checks, each with "ok":
-- runtime_vs_eager: the transformers drafter runtime on the device (batched, with a
-  rollback) gives the logits of a plain eager transformers forward on the same device;
+runs it). Checks, each with "ok"; exit code 1 when one fails:
+- paged_vs_contiguous: three requests decode greedily in turns on the paged KV cache (their
+  blocks interleave, a freed request's blocks are reused): the same tokens as a plain eager
+  transformers forward on the device, and every step's logits within 1e-3;
 - q_sums_to_one: sampled drafts on the device: q sums to 1 over the intersection, is
   positive at the draft and zero outside the intersection once scattered;
-- draft_loop_host_copies: TLI's draft loop (3 positions, mixed greedy and sampled rows) on
-  the device reads nothing back to the host between positions (``tolist``/``item`` counted:
-  the one read is the next step's settle); on cuda it also reports the synchronizing calls
-  ``torch.cuda.set_sync_debug_mode("warn")`` sees (host-to-device copies of positions count there);
-- graph_replay: the one-token decode step replayed from CUDA graphs captured per batch bucket
-  (``vllm_usd/drafter/decode_graphs.py``) gives the eager runtime's logits, through idle and
-  rolled-back rows; on cuda also the decode-step times with and without graphs. On the CPU,
-  where there is no graph, the same fixed-shape step runs through ``replay_eagerly``;
+- draft_syncs: one TLI step (3 positions, greedy, sampled and seeded rows) makes at most one
+  host read, and a string-drafting step one per drafter forward. Counted by
+  ``SyncCounter``, and on cuda by ``torch.cuda.set_sync_debug_mode("warn")``: any other
+  synchronizing call fails the check;
+- graph_replay: the one-token decode step replayed from CUDA graphs captured per (batch bucket,
+  table width) (``vllm_usd/drafter/decode_graphs.py``) gives the eager runtime's logits, through
+  idle and rolled-back rows; on cuda also the decode-step times with and without graphs. On the
+  CPU, where there is no graph, the same fixed-shape step runs through ``replay_eagerly``;
+- memory: the KV pool and the q buffer are allocated in full up front; a load of mixed-length
+  requests, freed as they end, leaves both where they were and every block back in the pool
+  (on cuda also ``torch.cuda.memory_allocated`` before and after);
 - step_ms: decode-step times of a SmolLM2-135M-shaped drafter (random weights, so no
   download) per weight format and batch size, against the weight-read limit.
-Exit code 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -34,28 +37,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def runtime_vs_eager(device: str) -> dict:
+def paged_vs_contiguous(device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tests.fixtures import tiny
-    from vllm_usd.drafter.select import DrafterChoice, open_drafter
+    from tests.fixtures.drafting import tiny_drafting
 
-    _, drafter = tiny.build_distribution_pair()
-    opened = open_drafter(drafter, DrafterChoice("transformers", "float32", device), max_len=256, max_requests=4,
-                          kv_budget_bytes=1 << 28)
-    eager = AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).to(device).eval()
-    rt = opened.runtime
-    a, b = [5, 17, 42, 9, 33, 8, 21], [60, 2, 2, 71]
-    rt.add("a")
-    rt.add("b")
-    rt.forward(["a", "b"], [0, 0], [a + [99, 98], b])  # two drafts for "a" ...
-    got = rt.forward(["a", "b"], [len(a) + 1, len(b)], [[7], [3]])  # ... one rejected, then a step for both
+    _, _, rt = tiny_drafting(device, pruned_head=False)
+    plain = AutoModelForCausalLM.from_pretrained(rt.model.config._name_or_path, dtype=torch.float32).to(device).eval()
+    prompts = {"a": [5, 17, 42, 9], "b": list(range(60, 97)), "c": [250, 3]}
+    rt.add("z")
+    rt.forward(["z"], [0], [list(range(1, 40))])  # three blocks, given back mid-way
+    seqs, last = {}, {}
+    for r, p in prompts.items():
+        rt.add(r)
+        last[r] = rt.forward([r], [0], [p])[0]
+        seqs[r] = list(p)
+    errors, same = [], True
+    for step in range(24):
+        if step == 4:
+            rt.free("z")
+        order = list(seqs) if step % 2 else list(reversed(seqs))
+        nxt = {r: int(last[r].argmax()) for r in order}
+        out = rt.forward_next(order, [len(seqs[r]) for r in order], torch.tensor([nxt[r] for r in order], device=device))
+        for i, r in enumerate(order):
+            seqs[r].append(nxt[r])
+            last[r] = out[i]
     with torch.no_grad():
-        want = torch.stack([eager(torch.tensor([a + [99, 7]], device=device)).logits[0, -1],
-                            eager(torch.tensor([b + [3]], device=device)).logits[0, -1]]).float()
-    err = float((got - want).abs().max())
-    return {"ok": err < 1e-3 and got.device.type == torch.device(device).type, "max_abs_err": err,
-            "logits_device": str(got.device)}
+        for r, seq in seqs.items():
+            want = plain(torch.tensor([seq], device=device)).logits[0].float()  # [L, V]
+            n = len(prompts[r])
+            same &= want[n - 1:-1].argmax(-1).tolist() == seq[n:]
+            errors.append(float((last[r] - want[-1]).abs().max()))
+    return {"ok": same and max(errors) < 1e-3, "greedy_equal": same, "max_abs_err": max(errors),
+            "tokens_per_request": 24}
 
 
 def q_sums_to_one(device: str) -> dict:
@@ -72,7 +86,7 @@ def q_sums_to_one(device: str) -> dict:
                                             greedy=[True, False, False, False, False, False], device=device)
     params.generators, shared = position_generators([1, 2, 3, 4, 5, 6], [10] * batch, [False, True] * 3, 0, device)
     index, q = sample_drafts(logits, params, shared)
-    buf = DraftProbsBuffer(k, vocab, target_ids, device).fill(list(range(batch)), [q, q], batch)  # [B, k, V]
+    buf = DraftProbsBuffer(k, vocab, target_ids, device, max_rows=batch).fill(list(range(batch)), [q, q], batch)  # [B, k, V]
     sums = q.sum(-1)
     outside = torch.ones(vocab, dtype=torch.bool, device=device)
     outside[target_ids.to(device)] = False
@@ -82,64 +96,65 @@ def q_sums_to_one(device: str) -> dict:
     return {"ok": ok, "max_sum_err": float((sums - 1).abs().max())}
 
 
-def draft_loop_host_copies(device: str) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def draft_syncs(device: str) -> dict:
+    from tests.fixtures.drafting import forwards_of, run_counted, tli_and_string
 
-    from tests.fixtures import tiny
-    from vllm_usd.core.pair import DraftPair
-    from vllm_usd.drafter.attention import ATTN_NAME, register_attention
-    from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
-    from vllm_usd.drafting import DraftRows, PhaseTimer
-    from vllm_usd.drafting.requests import RequestState
-    from vllm_usd.drafting.tli import IntersectionDrafting
+    tli, tli_rows, strings, string_rows = tli_and_string(device)
+    forwards = forwards_of(tli.runtime)
+    batch, tli_reads, tli_cuda = run_counted(device, lambda: tli.draft(tli_rows, salt=0, lengths=[3, 2, 1]))
+    _, settle_reads, settle_cuda = run_counted(device, lambda: tli.runtime.cached_tokens("r0"))
+    string_forwards = forwards_of(strings.runtime)
+    drafted, string_reads, string_cuda = run_counted(device, lambda: strings.draft(string_rows, [3, 3, 3]))
+    allowed_string = len(string_forwards)
+    cuda_ok = tli_cuda is None or (len(tli_cuda) <= 1 and not settle_cuda and len(string_cuda) <= allowed_string)
+    ok = (len(tli_reads) <= 1 and not settle_reads and len(string_reads) <= allowed_string and cuda_ok
+          and len(forwards) == 3 and [len(t) for t in batch.target_ids] == [3, 2, 1])
+    return {"ok": ok, "tli_host_reads": tli_reads + settle_reads, "tli_cuda_syncs": tli_cuda,
+            "string_forwards": allowed_string, "string_host_reads": len(string_reads),
+            "string_cuda_syncs": string_cuda, "string_drafted": [len(d) for d in drafted]}
 
-    target_dir, drafter_dir = tiny.build_distribution_pair()
-    pair = DraftPair.build(AutoTokenizer.from_pretrained(target_dir), AutoTokenizer.from_pretrained(drafter_dir))
-    register_attention()
-    model = AutoModelForCausalLM.from_pretrained(drafter_dir, attn_implementation=ATTN_NAME).to(device).eval()
-    rt = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26)
-    strategy = IntersectionDrafting(pair.mapping, rt, k=3, pruned_head=True, timer=PhaseTimer(False))
-    rows = DraftRows()
-    for i, temperature in enumerate((0.0, 0.8, 1.0)):
-        tr = pair.translator()
-        tr.start(list(range(5 + i, 20 + 2 * i)))
-        rt.add(f"r{i}")
-        for column, value in ((rows.rows, i), (rows.req_ids, f"r{i}"), (rows.unchanged, 0), (rows.target_tails, []),
-                              (rows.sequences, list(tr.draft_ids)), (rows.positions, len(tr.draft_ids))):
-            column.append(value)
-        rows.states.append(RequestState(translator=tr, greedy=temperature == 0.0, temperature=temperature, top_k=0,
-                                        top_p=1.0, key=1000 + i, seeded=False, last_token=1 << 30))
-    strategy.draft(rows, salt=0, lengths=[3, 3, 3])
-    rt.cached_tokens("r0")  # settle the warm-up step's ids
-    copies = {"n": 0}
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
 
-    def counting(name):
-        def read(tensor, *args, **kwargs):
-            copies["n"] += 1
-            return originals[name](tensor, *args, **kwargs)
-        return read
+def memory(device: str) -> dict:
+    from tests.fixtures.drafting import tiny_drafting
+    from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
-    import warnings
-
+    pair, _, rt = tiny_drafting(device, pruned_head=True)
     on_cuda = torch.device(device).type == "cuda"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            for name in originals:
-                setattr(torch.Tensor, name, counting(name))
-            if on_cuda:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("warn")
-            batch = strategy.draft(rows, salt=0, lengths=[3, 2, 1])
-        finally:
-            if on_cuda:
-                torch.cuda.set_sync_debug_mode("default")
-            for name, fn in originals.items():
-                setattr(torch.Tensor, name, fn)
-    syncs = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)]
-    return {"ok": copies["n"] == 0 and tuple(batch.target_ids.shape) == (3, 3), "host_reads": copies["n"],
-            "cuda_sync_warnings": len(syncs) if on_cuda else None, "first_sync_warning": syncs[0] if syncs else None}
+    q = DraftProbsBuffer(3, pair.mapping.target_vocab_size, pair.mapping.target_ids, device, max_rows=4)
+    rt.allocate()
+    q.allocate()
+    sizes = (rt.kv_bytes, q.nbytes)
+    if on_cuda:
+        torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated() if on_cuda else None
+    g = torch.Generator().manual_seed(0)
+    live: dict[str, int] = {}
+    for step in range(60):  # requests of 8 to 200 tokens come, decode a few tokens and go
+        if len(live) < 4:
+            r = f"q{step}"
+            rt.add(r)
+            n = int(torch.randint(8, 200, (1,), generator=g))
+            rt.forward([r], [0], [torch.randint(1, 200, (n,), generator=g).tolist()])
+            live[r] = n
+        ids = list(live)
+        rt.forward_next(ids, [live[r] for r in ids], torch.full((len(ids),), 7, device=device))
+        for r in ids:
+            live[r] += 1
+        q.fill(list(range(len(ids))), [torch.full((len(ids), pair.mapping.size), 1.0 / pair.mapping.size,
+                                                  device=device)], len(ids))
+        if step % 3 == 2:
+            rt.free(ids[0])
+            del live[ids[0]]
+    for r in list(live):
+        rt.free(r)
+    if on_cuda:
+        torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated() if on_cuda else None
+    ok = (rt.kv_bytes, q.nbytes) == sizes and rt.free_blocks == rt.num_blocks
+    if on_cuda:
+        ok &= after - before < (16 << 20)  # nothing left behind but the allocator's small change
+    return {"ok": ok, "kv_pool_bytes": sizes[0], "q_buffer_bytes": sizes[1], "blocks": rt.num_blocks,
+            "blocks_free_after": rt.free_blocks, "cuda_allocated_before": before, "cuda_allocated_after": after}
 
 
 def graph_replay(device: str) -> dict:
@@ -266,8 +281,8 @@ def main() -> int:
     device = sys.argv[1] if len(sys.argv) > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
     summary: dict = {"device": device, "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if torch.device(device).type == "cuda" else None}
-    checks = (("runtime_vs_eager", runtime_vs_eager), ("q_sums_to_one", q_sums_to_one),
-              ("draft_loop_host_copies", draft_loop_host_copies), ("graph_replay", graph_replay),
+    checks = (("paged_vs_contiguous", paged_vs_contiguous), ("q_sums_to_one", q_sums_to_one),
+              ("draft_syncs", draft_syncs), ("graph_replay", graph_replay), ("memory", memory),
               ("step_ms", step_times))
     for name, check in checks:
         try:

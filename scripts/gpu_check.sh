@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The vLLM-free GPU check: the drafter runtime, q and step times on cuda (or the CPU when
+# The vLLM-free GPU check: paged attention, q, host syncs (any unexpected one fails), graph replay,
+# memory and step times on cuda (or the CPU when
 # there is none), one JSON line. Needs torch, transformers and tokenizers, not vLLM.
 #   bash scripts/gpu_check.sh [cuda|cpu]
 set -euo pipefail

@@ -1,10 +1,10 @@
 """The fixed-shape decode step that CUDA graphs capture, checked on the CPU. No vLLM.
 
-A graph replays the step on the bucket's slot rows and the whole allocated KV
-length. These tests run that fixed-shape step through ``replay_eagerly`` (the
-same shapes and static buffers, no graph) and compare it with a plain
-transformers forward: idle rows, rolled-back rows, bucket reuse, KV growth and a
-failed capture. The graph capture itself needs a GPU (``scripts/gpu_check.py``,
+A graph replays the step on the rows padded to a bucket and block tables padded
+to a power-of-two width. These tests run that fixed-shape step through
+``replay_eagerly`` (the same shapes and static buffers, no graph) and compare it
+with a plain transformers forward: idle rows, rolled-back rows, bucket reuse,
+wider tables and a failed capture. The graph capture itself needs a GPU (``scripts/gpu_check.py``,
 check ``graph_replay``).
 """
 
@@ -55,26 +55,27 @@ def test_the_fixed_shape_step_gives_the_reference_logits(make):
     got = rt.forward_next(["a", "c"], [len(seqs["a"]), len(seqs["c"])], torch.tensor([7, 8]))
     assert torch.allclose(got[0], _reference_logits(ref, seqs["a"] + [7])[-1], atol=1e-4)
     assert torch.allclose(got[1], _reference_logits(ref, seqs["c"] + [8])[-1], atol=1e-4)
-    assert rt.graphs.captures == 1  # three slots: bucket 4
+    assert rt.graphs.captures == 1  # two rows: bucket 2
     got = rt.forward_next(["c", "a"], [len(seqs["c"]) + 1, len(seqs["a"])], torch.tensor([9, 10]))
     assert torch.allclose(got[0], _reference_logits(ref, seqs["c"] + [8, 9])[-1], atol=1e-4)
     assert torch.allclose(got[1], _reference_logits(ref, seqs["a"] + [10])[-1], atol=1e-4)
-    assert rt.graphs.captures == 1, "the same bucket and KV length should replay, not capture again"
+    assert rt.graphs.captures == 1, "the same bucket and table width should replay, not capture again"
     # b, idle through both replays, is still exact
     out = rt.forward(["b"], [len(seqs["b"])], [[11]])
     assert torch.allclose(out[0], _reference_logits(ref, seqs["b"] + [11])[-1], atol=1e-4)
     assert rt.cached_tokens("a") == seqs["a"] + [10] and rt.cached_tokens("c") == seqs["c"] + [8, 9]
 
 
-def test_kv_growth_and_a_larger_batch_capture_again():
+def test_a_wider_table_and_a_larger_batch_capture_again_and_the_pool_never_moves():
     ref = _llama()
     rt = _runtime(_save(ref), replay_eagerly)
-    long = list(range(1, 256))  # the KV is allocated 256 long at first
+    long = list(range(1, 256))  # 16 blocks of 16 tokens
     rt.add("x")
     rt.forward(["x"], [0], [long])
+    pool = rt._k[0].data_ptr()
     rt.forward_next(["x"], [len(long)], torch.tensor([5]))
     assert rt.graphs.captures == 1 and rt.kv_bytes > 0
-    got = rt.forward_next(["x"], [len(long) + 1], torch.tensor([6]))  # position 256: the KV grows
+    got = rt.forward_next(["x"], [len(long) + 1], torch.tensor([6]))  # position 256: a 17th block, width 32
     assert rt.graphs.captures == 2
     assert torch.allclose(got[0], _reference_logits(ref, long + [5, 6])[-1], atol=1e-4)
     for r in ("y", "z"):
@@ -84,6 +85,7 @@ def test_kv_growth_and_a_larger_batch_capture_again():
     assert rt.graphs.captures == 3  # three requests: bucket 4
     assert torch.allclose(got[0], _reference_logits(ref, long + [5, 6, 8])[-1], atol=1e-4)
     assert torch.allclose(got[1], _reference_logits(ref, [6, 7, 9])[-1], atol=1e-4)
+    assert rt._k[0].data_ptr() == pool
 
 
 def test_a_failed_capture_drafts_eagerly_from_then_on(caplog):

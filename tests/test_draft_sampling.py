@@ -85,7 +85,7 @@ def test_greedy_rows_are_argmax_with_one_hot_q():
         assert idx[row] == logits[row].argmax()
         assert q[row].sum() == 1 and q[row, idx[row]] == 1
     for row in (1, 3):
-        assert torch.allclose(q[row], draft_distribution(logits[row:row + 1], params.select(torch.tensor([row])))[0])
+        assert torch.allclose(q[row], draft_distribution(logits[:row + 1], params.prefix(row + 1))[row])
     all_greedy = DraftSamplingParams.from_lists([0.0] * 4, [0] * 4, [1.0] * 4, [True] * 4)
     idx2, q2 = sample_drafts(logits, all_greedy)
     assert torch.equal(idx2, logits.argmax(-1)) and torch.equal(q2.sum(-1), torch.ones(4))
@@ -123,7 +123,7 @@ def test_draft_probs_buffer_rows_follow_the_batch_and_stay_zero_elsewhere():
     from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
     target_ids = torch.tensor([5, 1, 7])  # intersection, in draft_ids order
-    buf = DraftProbsBuffer(k=2, target_vocab_size=10, target_ids=target_ids)
+    buf = DraftProbsBuffer(k=2, target_vocab_size=10, target_ids=target_ids, max_rows=4)
     q0 = torch.tensor([[0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
     q1 = torch.tensor([[0.1, 0.1, 0.8], [0.0, 0.0, 1.0]])
     out = buf.fill(rows=[2, 0], qs=[q0, q1], num_rows=3)
@@ -175,3 +175,23 @@ def test_position_generators_seed_by_row_key_and_position():
     assert draws([11, 22], [5, 9], [True, False]) == (own_a, shared_a)
     assert draws([11, 22], [6, 9], [True, False])[0][0] != own_a[0], "next position, new draw"
     assert draws([11, 22], [5, 9], [True, False], salt=1)[1] != shared_a
+
+
+def test_draft_probs_buffer_is_allocated_once_at_its_bound():
+    """max_rows x k x vocabulary x 4 B, allocated before any fill and never replaced; a step with more
+    rows than max_num_seqs is refused, not grown into; a proposer whose drafts carry no q holds none."""
+    from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
+
+    buf = DraftProbsBuffer(k=3, target_vocab_size=50, target_ids=torch.tensor([4, 9]), max_rows=6)
+    assert buf.nbytes == 0 and buf.planned_bytes == 6 * 3 * 50 * 4
+    buf.allocate()
+    ptr = buf._buf.data_ptr()
+    assert buf.nbytes == buf.planned_bytes
+    for rows in ([0], [0, 1, 2, 3, 4, 5], [5, 1]):
+        buf.fill(rows, [torch.full((len(rows), 2), 0.5)], num_rows=6)
+        assert buf._buf.data_ptr() == ptr and buf.nbytes == buf.planned_bytes
+    with pytest.raises(ValueError, match="7 rows"):
+        buf.fill([6], [torch.full((1, 2), 0.5)], num_rows=7)
+    none = DraftProbsBuffer(k=3, target_vocab_size=50, target_ids=torch.tensor([4, 9]), max_rows=6, needed=False)
+    none.allocate()
+    assert none.planned_bytes == 0 and none.nbytes == 0

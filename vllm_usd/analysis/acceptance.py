@@ -81,7 +81,8 @@ def estimate_acceptance(
     pair = DraftPair.for_models(target_model, target_tokenizer, drafter_model, drafter_tokenizer)
     mapping = pair.mapping
     if runtime is None:
-        runtime = HFDrafterRuntime(drafter_model, max_len=1 << 20, max_requests=1, kv_budget_bytes=1 << 34)
+        longest = 4 * max(len(ids) for ids in sequences) + 64  # room for a drafter that cuts text finer
+        runtime = HFDrafterRuntime(drafter_model, max_len=longest, max_requests=1, kv_budget_bytes=1 << 34)
     runtime.set_output_rows(mapping.draft_ids)
 
     match: list[bool] = []

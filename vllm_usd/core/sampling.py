@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_usd.core.device import to_device
+
 
 @dataclass
 class DraftSamplingParams:
@@ -51,10 +53,10 @@ class DraftSamplingParams:
     ) -> "DraftSamplingParams":
         b = len(temperature)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=to_device(temperature, torch.float32, torch.device(device)),
+            top_k=to_device(top_k, torch.long, torch.device(device)),
+            top_p=to_device(top_p, torch.float32, torch.device(device)),
+            greedy=to_device(greedy, torch.bool, torch.device(device)),
             generators=list(generators) if generators is not None else [None] * b,
             any_top_k=any(0 < k for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
@@ -63,13 +65,12 @@ class DraftSamplingParams:
             greedy_rows=tuple(i for i, g in enumerate(greedy) if g),
         )
 
-    def select(self, rows: torch.Tensor) -> "DraftSamplingParams":
-        idx = rows.tolist()
-        greedy = [i in set(self.greedy_rows) for i in idx]
+    def prefix(self, n: int) -> "DraftSamplingParams":
+        """The first ``n`` rows: slices on the device, nothing copied."""
+        greedy_rows = tuple(i for i in self.greedy_rows if i < n)
         return DraftSamplingParams(
-            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.greedy[rows],
-            [self.generators[i] for i in idx], self.any_top_k, self.any_top_p,
-            all(greedy), not any(greedy), tuple(j for j, g in enumerate(greedy) if g),
+            self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy[:n], self.generators[:n],
+            self.any_top_k, self.any_top_p, len(greedy_rows) == n, not greedy_rows, greedy_rows,
         )
 
 
@@ -124,10 +125,10 @@ def sample_drafts(
     for i in seeded:
         index[i] = torch.multinomial(q[i], 1, generator=params.generators[i])[0]
     if shared:
-        rows = torch.tensor(shared, dtype=torch.long, device=logits.device)
+        rows = to_device(shared, torch.long, logits.device)
         index[rows] = torch.multinomial(q[rows], 1, generator=shared_generator).squeeze(-1)
     if greedy_rows:
-        g_rows = torch.tensor(greedy_rows, dtype=torch.long, device=logits.device)
+        g_rows = to_device(greedy_rows, torch.long, logits.device)
         g_index = logits[g_rows].argmax(dim=-1)
         index[g_rows] = g_index
         q[g_rows] = 0.0

@@ -44,7 +44,21 @@ class DrafterRuntime(ABC):
 
     @abstractmethod
     def _claim(self, req_id: str) -> bool:
-        """Reserve KV room for a new request; False when there is none."""
+        """Take a new request; False when the runtime holds as many as it may."""
+
+    def reserve(self, req_id: str, length: int) -> bool:
+        """KV room for ``length`` tokens of a request it holds; False (and nothing taken) when there is none.
+        A runtime whose requests each get their whole room up front has nothing to do."""
+        return True
+
+    def allocate(self) -> None:
+        """Allocate the KV cache now, once (the proposer's ``load_model``, before vLLM sizes its own).
+        A runtime that allocated it on construction has nothing to do."""
+
+    @property
+    def planned_kv_bytes(self) -> int:
+        """What the KV cache holds once allocated."""
+        return self.kv_bytes
 
     @abstractmethod
     def _release(self, req_id: str) -> None:
@@ -91,14 +105,20 @@ class DrafterRuntime(ABC):
         req_ids: Sequence[str],
         keep: Sequence[int],
         tokens: torch.Tensor,  # [len(req_ids)] one new drafter id per request, on ``self.device``
+        host_ids: Sequence[int] | None = None,  # the same ids, where the caller has them on the host
     ) -> torch.Tensor:
         """``forward`` with one new token per request, handed over where it was sampled.
 
         A runtime on an accelerator reads ``tokens`` in place, so a draft loop makes no host copy
-        per position; ``cached_tokens`` learns those ids later, in one copy. This default copies
-        them to the host first (right for a runtime that runs on the host anyway).
+        per position; it learns those ids later from ``settle_from_host``, or else copies them in
+        one go when next asked for its tokens. This default copies them to the host first (right
+        for a runtime that runs on the host anyway).
         """
-        return self.forward(req_ids, keep, [[t] for t in tokens.tolist()])
+        ids = host_ids if host_ids is not None else tokens.tolist()
+        return self.forward(req_ids, keep, [[t] for t in ids])
+
+    def settle_from_host(self, ids: Sequence[int]) -> None:
+        """The ids ``forward_next`` was given since the last call, in call order, from the caller's host copy."""
 
     def catch_up(
         self,

@@ -1,18 +1,15 @@
-"""Captured one-token decode steps of the transformers drafter, one per batch bucket.
+"""Captured one-token decode steps of the transformers drafter, one per (batch bucket, table width).
 
 A CUDA graph replays fixed kernels on fixed buffers, so the captured step has
-fixed shapes: the slot rows ``0..bucket-1`` (the active requests' slots, padded
-up to the bucket) and the whole allocated KV length (``len_cap``), with the
-causal mask hiding what is past each row's position. Rows that are not in a
-call compute one throw-away query at their next free position, as the eager
-step does for rows inside its slot range; the KV they write there is
-overwritten before it is ever attended to.
+fixed shapes: the rows padded up to the bucket, and block tables padded to a
+fixed width (a power of two of blocks), with the causal mask hiding what is
+past each row's position. Padding rows point every entry at the scratch block,
+so what they write and read is nobody's. The KV pool is allocated once and
+never moves, so a capture stays valid for the runtime's life.
 
-A capture is keyed by ``(bucket, len_cap)`` and dropped when the KV buffers are
-reallocated (``HFDrafterRuntime._grow``), since the graph holds their
-addresses. Capturing runs the step on the real inputs of the call that needs
-it: the warm-up runs and the capture write the same KV the call would write,
-so nothing is left that the call does not also produce.
+Capturing runs the step on the real inputs of the call that needs it: the
+warm-up runs and the capture write the same KV the call would write, so
+nothing is left that the call does not also produce.
 
 Lossless whatever the captured logits are: q is built from the logits the
 drafts were sampled from. Every tensor-parallel rank sees the same batch sizes
@@ -66,19 +63,18 @@ def replay_eagerly(step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor
 
 
 class DecodeGraphs:
-    """Fixed-shape decode steps, captured lazily per ``(bucket, len_cap)`` and replayed after."""
+    """Fixed-shape decode steps, captured lazily per ``(bucket, width)`` and replayed after."""
 
     def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, *, max_rows: int,
                  capture: Capture = capture_cuda_graph) -> None:
-        # step(tokens [R, 1], pos [R, 1], sel_rows [R], sel_cols [R], lo, hi, key_len) -> [R, V] float32
+        # step(tokens [R, 1], pos [R, 1], table [R, NB], sel_rows [R], sel_cols [R]) -> [R, V] float32
         self._step = step
         self._device = device
         self._capture = capture
         # past the largest bucket the step runs eagerly
         self.buckets = tuple(b for b in BUCKETS if b < max_rows) + ((max_rows,) if max_rows <= BUCKETS[-1] else ())
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self._captured: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._buffers: object = None  # identity of the KV buffers the captures point at
+        self._captured: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self.failed = False
         self.captures = 0
         self.failure: BaseException | None = None  # why capture failed (counted by the proposer)
@@ -90,42 +86,39 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, buffers: object, bucket: int, len_cap: int, tokens: torch.Tensor,
-            pos: torch.Tensor) -> torch.Tensor | None:
-        """Logits of slot rows ``0..bucket-1`` ([bucket, V], valid until the next call), or None when
-        capture failed (the caller then runs the eager step, now and from then on).
+    def run(self, bucket: int, width: int, tokens: torch.Tensor, pos: torch.Tensor,
+            table: torch.Tensor) -> torch.Tensor | None:
+        """Logits of rows ``0..bucket-1`` ([bucket, V], valid until the next call), or None when capture
+        failed (the caller then runs the eager step, now and from then on).
 
-        tokens, pos: [bucket, 1] on the device.
+        tokens, pos: [bucket, 1]; table: [bucket, width]; all on the device.
         """
         if self.failed:
             return None
-        if buffers is not self._buffers:  # reallocated KV: every capture points at freed memory
-            self._captured.clear()
-            self._buffers = buffers
-        entry = self._captured.get((bucket, len_cap))
+        entry = self._captured.get((bucket, width))
         if entry is None:
-            entry = self._capture_bucket(bucket, len_cap, tokens, pos)
+            entry = self._capture_bucket(bucket, width, (tokens, pos, table))
             if entry is None:
                 return None
-            replay, out, _, _ = entry
+            replay, out, _ = entry
             replay()  # the capture recorded kernels; with a real graph nothing has run on these inputs yet
             return out
-        replay, out, static_tokens, static_pos = entry
-        static_tokens.copy_(tokens)
-        static_pos.copy_(pos)
+        replay, out, static = entry
+        for buffer, value in zip(static, (tokens, pos, table)):
+            buffer.copy_(value)
         replay()
         return out
 
-    def _capture_bucket(self, bucket: int, len_cap: int, tokens: torch.Tensor, pos: torch.Tensor):
-        static_tokens, static_pos = tokens.clone(), pos.clone()
+    def _capture_bucket(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):
+        static = tuple(t.clone() for t in inputs)
         rows = torch.arange(bucket, device=self._device)
         cols = torch.zeros(bucket, dtype=torch.long, device=self._device)
 
-        def fixed_step(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-            return self._step(t, p, rows, cols, 0, bucket, len_cap)
+        def fixed_step(t: torch.Tensor, p: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return self._step(t, p, table, rows, cols)
 
         try:
-            replay, out = self._capture(fixed_step, (static_tokens, static_pos), self._pool)
+            replay, out = self._capture(fixed_step, static, self._pool)
         except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
             self.failed = True
             self.failure = exc
@@ -134,6 +127,6 @@ class DecodeGraphs:
                            "now on. Start vLLM with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)
             return None
         self.captures += 1
-        entry = (replay, out, static_tokens, static_pos)
-        self._captured[(bucket, len_cap)] = entry
+        entry = (replay, out, static)
+        self._captured[(bucket, width)] = entry
         return entry

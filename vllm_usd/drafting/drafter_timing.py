@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+import torch
+
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafting.length_policy import measured_cost
 
@@ -81,9 +83,10 @@ def _time_batch(runtime: DrafterRuntime, batch: int, context: list[int], timed_f
         _wait(runtime.forward(added, [0] * batch, [context] * batch))
         length, times = len(context), []
         for step in range(timed_forwards + 1):
-            token = context[step % len(context)]
+            # on the path drafts take: ids already on the device (captured graphs, where a runtime has them)
+            tokens = torch.full((batch,), context[step % len(context)], dtype=torch.long, device=runtime.device)
             start = clock()
-            _wait(runtime.forward(added, [length] * batch, [[token]] * batch))
+            _wait(runtime.forward_next(added, [length] * batch, tokens))
             if step:  # the first one-token forward of a batch size is its warm-up
                 times.append(clock() - start)
             length += 1

@@ -68,6 +68,13 @@ class DraftRows:
             self.rows, self.req_ids, self.states, self.sequences, self.unchanged, self.positions,
             self.target_tails)))
 
+    def longest_first(self, lengths: list[int]) -> tuple["DraftRows", list[int]]:
+        """These rows and their lengths, sorted by length, longest first (stable)."""
+        order = sorted(range(len(self)), key=lambda i: -lengths[i])
+        if order == list(range(len(self))):
+            return self, lengths
+        return self.subset(order), [lengths[i] for i in order]
+
 
 class RequestTable:
     """The drafting state of every live request, and the rules for which get drafts this step."""
@@ -168,6 +175,10 @@ class RequestTable:
             self.counters["skipped_context_full"] += 1
             self.free(req_id)
             self._undraftable.add(req_id)
+            return None
+        if not self._runtime.reserve(req_id, len(seq) + self._k):  # the KV pool is full: this request waits
+            self.counters["skipped_no_memory"] += 1
+            self.free(req_id)  # its blocks go back; its context is rebuilt when it drafts again
             return None
         return state, seq, known
 

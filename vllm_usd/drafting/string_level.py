@@ -5,7 +5,9 @@ After each drafter token, each request's drafted bytes are re-encoded by the
 target tokenizer over a short window (``TargetRetokenizer``); a request stops
 drafting once its text determines its length of target tokens, when the
 re-encoding would rewrite committed tokens, at a special token, or at the
-drafter-token budget. The drafts carry no q: vLLM verifies them as point masses,
+drafter-token budget. Each forward's drafted ids are read back once (their bytes
+are needed); the next forward takes them where they are, as TLI's does, so it
+replays the same captured decode step. The drafts carry no q: vLLM verifies them as point masses,
 which is exact for greedy requests and lossless (if less accepting) for sampled ones.
 """
 
@@ -14,6 +16,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import MutableMapping
 
+import torch
+
+from vllm_usd.core.device import to_device
 from vllm_usd.core.mapping import VocabMapping
 from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.core.translate import complete_utf8_prefix
@@ -71,15 +76,18 @@ class StringDrafting:
         with self.timer.phase("drafter_forward"):
             logits = self.runtime.catch_up(rows.req_ids, rows.sequences, rows.unchanged)  # [B, V_draft]
         for step in range(self.budget):
-            tokens = logits.argmax(-1).tolist()  # the drafted bytes are needed on the host: one copy per step
+            picked = logits.argmax(-1)  # [len(active)] on the device
+            tokens = picked.tolist()  # the drafted bytes are needed on the host: one copy per forward
             with self.timer.phase("retokenize"):
-                kept = [(a, tok) for a, tok in zip(active, tokens) if self._extend(texts[a], tok)]
+                kept = [i for i, (a, tok) in enumerate(zip(active, tokens)) if self._extend(texts[a], tok)]
             if not kept or step + 1 == self.budget:
                 break
-            go_on, next_tokens = [a for a, _ in kept], [tok for _, tok in kept]
+            go_on = [active[i] for i in kept]
+            if len(kept) < len(active):
+                picked = picked[to_device(kept, torch.long, picked.device)]
             with self.timer.phase("drafter_forward"):
-                logits = self.runtime.forward([rows.req_ids[a] for a in go_on], [context[a] for a in go_on],
-                                              [[t] for t in next_tokens])
+                logits = self.runtime.forward_next([rows.req_ids[a] for a in go_on], [context[a] for a in go_on],
+                                                   picked, host_ids=[tokens[i] for i in kept])
             forwards += len(go_on)
             for a in go_on:
                 context[a] += 1

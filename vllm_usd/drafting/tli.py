@@ -4,6 +4,11 @@ Each position: the drafter's logits over the intersection (the pruned head,
 or the full head restricted), one draft per row sampled like the request,
 and q, the exact distribution it was drawn from. Drafts map to target ids
 through the mapping's one sorted index.
+
+Between positions everything stays on the device: the sampled indices feed the
+next drafter forward in place. The step ends with its one copy to the host, the
+drafted indices, from which both the target ids handed to vLLM and the drafter's
+own record of its tokens are read.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from vllm_usd.drafting.timing import PhaseTimer
 class DraftBatch:
     """What one step drafted, in the order of ``DraftRows``."""
 
-    target_ids: torch.Tensor  # [B, depth] target ids; a row's ids past its length are filler
+    target_ids: list[list[int]]  # per row, its drafts as target ids (its length of them)
     q: list[torch.Tensor] | None  # per position j [B_j, n] (the first B_j rows drafted j), intersection order;
     # None when every row is greedy
 
@@ -50,7 +55,8 @@ class IntersectionDrafting:
         self.device = runtime.device
         # the mapping's one sorted index, where the drafter's logits are
         self._draft_ids = mapping.draft_ids.to(self.device)  # [n]
-        self._target_ids = mapping.target_ids.to(self.device)  # [n]
+        self._draft_ids_host: list[int] = mapping.draft_ids.tolist()
+        self._target_ids_host: list[int] = mapping.target_ids.tolist()
         if pruned_head:
             runtime.set_output_rows(mapping.draft_ids)
 
@@ -77,7 +83,7 @@ class IntersectionDrafting:
             logits = self.runtime.catch_up(rows.req_ids, rows.sequences, rows.unchanged)
         for j in range(depth):
             if len(step_params.generators) != active:  # rows at their length dropped out
-                step_params = sampling_params(rows.subset(range(active)), self.device)
+                step_params = params.prefix(active)
             logits = self._intersection_logits(logits)
             with timer.phase("sample"):
                 shared = None
@@ -95,4 +101,14 @@ class IntersectionDrafting:
                     logits = self.runtime.forward_next(rows.req_ids[:go_on], context[:go_on], next_tokens)
                 context = [n + 1 for n in context[:go_on]]
                 active = go_on
-        return DraftBatch(target_ids=self._target_ids[index], q=None if params.all_greedy else qs)
+        picked = index.tolist()  # the step's one copy to the host
+        self._settle_drafter_tokens(picked, lengths)
+        target = [[self._target_ids_host[i] for i in row[:n]] for row, n in zip(picked, lengths)]
+        return DraftBatch(target_ids=target, q=None if params.all_greedy else qs)
+
+    def _settle_drafter_tokens(self, picked: list[list[int]], lengths: list[int]) -> None:
+        """Tell the runtime the drafter ids it was fed in place, in its call order: position j's
+        forward took the drafts at j of the rows drafting past j."""
+        fed = [self._draft_ids_host[row[j]] for j in range(len(picked[0]) - 1)
+               for row, n in zip(picked, lengths) if n > j + 1]
+        self.runtime.settle_from_host(fed)

@@ -29,6 +29,7 @@ from vllm_usd.drafting.length_policy import draft_cost_from_weights
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
+from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
@@ -99,7 +100,9 @@ class UniversalProposer:
         self.rank = compat.tp_rank()
         self.failures = FailureCounts(self.rank)
         self._digests = StepDigests()
-        self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device)
+        self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device,
+                                          max_rows=compat.max_num_seqs(vllm_config),
+                                          needed=cfg.draft_mode != "string" and cfg.draft_sampling != "greedy")
         self._last_q: torch.Tensor | None = None
         self._runner = None
         self._scheduler_output = None
@@ -155,11 +158,13 @@ class UniversalProposer:
 
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
-        """vLLM calls this after loading the target; the drafter is already loaded.
+        """vLLM calls this after loading the target, before it sizes its KV cache: the drafter's memory
+        is allocated here in full (``drafter_memory.py``).
 
         The policy's drafter cost follows the weights' sizes: this rank's target shard, which
         tensor parallelism makes the same size on every rank.
         """
+        logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer))
         if self.config.adaptive_length and self.config.draft_cost is None:
             self.policy = self._length_policy(compat.module_param_bytes(target_model))
         if self._measures_costs:
@@ -197,6 +202,8 @@ class UniversalProposer:
             "counters": dict(self.counters), "timings": dict(self.timer.timings),
             "request_states": len(self.requests), "drafter_requests": self.runtime.num_requests,
             "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
+            "drafter_kv_blocks": getattr(self.runtime, "num_blocks", None),
+            "drafter_kv_free_blocks": getattr(self.runtime, "free_blocks", None),
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
             "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
@@ -310,7 +317,7 @@ class UniversalProposer:
                                                   self._length_of(batch))
         for n in lengths:  # the drafted rows (a row whose context turned out not to be draftable is not one)
             self.counters[f"length_{n}"] += 1
-        return self._longest_first(rows, lengths)
+        return rows.longest_first(lengths)
 
     def _length_of(self, batch: int):
         """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
@@ -323,13 +330,6 @@ class UniversalProposer:
             return n
 
         return length_of
-
-    @staticmethod
-    def _longest_first(rows: DraftRows, lengths: list[int]) -> tuple[DraftRows, list[int]]:
-        order = sorted(range(len(rows)), key=lambda i: -lengths[i])
-        if order == list(range(len(rows))):
-            return rows, lengths
-        return rows.subset(order), [lengths[i] for i in order]
 
     def _draft_salt(self) -> int:
         """Mixed into every unseeded draw: equal on every rank (usd.seed)."""
@@ -358,9 +358,7 @@ class UniversalProposer:
             tli = [i for i in range(len(rows)) if i not in chosen]
             tli_rows, tli_lengths = (rows.subset(tli), [lengths[i] for i in tli]) if by_text else (rows, lengths)
             batch = self.strategy.draft(tli_rows, self._draft_salt(), tli_lengths)
-            with self.timer.phase("map_and_q"):
-                target = [ids[:n] for ids, n in zip(batch.target_ids.tolist(), tli_lengths)]  # the step's host copy
-            parts.append((tli_rows, target))
+            parts.append((tli_rows, batch.target_ids))
         return parts, batch
 
     def _hand_over(self, parts: list[tuple[DraftRows, list[list[int]]]], batch: DraftBatch | None,
