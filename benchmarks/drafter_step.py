@@ -22,6 +22,8 @@ read its weights at (bytes read over the step's time).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -81,10 +83,11 @@ def step_times(runtime, batch: int, steps: int, device: str) -> list[float]:
     runtime.forward(ids, [0] * batch, prompt)
     times = []
     for s in range(steps + 3):
-        new = [[(s * 13 + i) % 1000 + 10] for i in range(batch)]
+        new = torch.tensor([(s * 13 + i) % 1000 + 10 for i in range(batch)], device=runtime.device)
         _sync(device)
         start = time.perf_counter()
-        runtime.forward(ids, [CONTEXT] * batch, new)  # roll back the last step's token, decode one
+        # the path drafts take (ids where they were sampled); rolls back the last step's token, decodes one
+        runtime.forward_next(ids, [CONTEXT] * batch, new)
         _sync(device)
         if s >= 3:
             times.append(time.perf_counter() - start)
@@ -130,6 +133,93 @@ def weight_bytes_read(runtime, fmt: str) -> int:
     return runtime.param_bytes - embed.numel() * embed.element_size() + head.numel() * head.element_size()
 
 
+def mixed_load_memory(drafter: str, fmt: str, device: str, requests: int, seed: int = 0,
+                      package_root: str | None = None) -> dict:
+    """The transformers runtime's KV memory as ``requests`` requests with contexts of 8 to 900 tokens
+    arrive, each prefilled and then decoding one token, all live at the end (max_len 1024, the
+    default 2 GiB budget): bytes held after the first request and after the last. ``package_root``:
+    the runtime of the ``vllm_usd`` there (see ``_runtime_from``)."""
+    import random
+
+    with _package(package_root) as select:
+        opened = select.open_drafter(drafter, select.DrafterChoice("transformers", fmt, device), max_len=1024,
+                                     max_requests=requests, kv_budget_bytes=2 << 30)
+    runtime, rng = opened.runtime, random.Random(seed)
+    held = []
+    for i in range(requests):
+        r = f"m{i}"
+        runtime.add(r)
+        n = rng.randint(8, 900)
+        runtime.forward([r], [0], [[(7 * i + j) % 1000 + 10 for j in range(n)]])
+        runtime.forward_next([r], [n], torch.tensor([11], device=runtime.device))
+        held.append(runtime.kv_bytes)
+    blocks = getattr(runtime, "num_blocks", None)
+    used = blocks - runtime.free_blocks if blocks is not None else None
+    return {"requests": requests, "kv_bytes_after_first": held[0], "kv_bytes_after_last": held[-1],
+            "kv_blocks_in_use": used, "kv_blocks": blocks}
+
+
+@contextlib.contextmanager
+def _package(package_root: str | None):
+    """``vllm_usd.drafter.select`` of the package under ``package_root`` (a checkout of another commit,
+    say), imported afresh; objects built inside the block keep that package's code. None: this one."""
+    if package_root:
+        for name in [m for m in sys.modules if m == "vllm_usd" or m.startswith("vllm_usd.")]:
+            del sys.modules[name]
+        sys.path.insert(0, package_root)
+    try:
+        yield importlib.import_module("vllm_usd.drafter.select")
+    finally:
+        if package_root:
+            sys.path.remove(package_root)
+
+
+def _runtime_from(package_root: str, drafter: str, fmt: str, device: str, max_requests: int):
+    with _package(package_root) as select:
+        opened = select.open_drafter(drafter, select.DrafterChoice("transformers", fmt, device), max_len=CONTEXT + 8,
+                                     max_requests=max_requests, kv_budget_bytes=1 << 31)
+    opened.runtime.set_output_rows(head_rows(opened.vocab_size))
+    return opened.runtime
+
+
+def paired_with_baseline(baseline: str, drafter: str, formats: list[str], batches: list[int], steps: int,
+                         device: str) -> list[dict]:
+    """This checkout's transformers runtime against ``baseline``'s, step by step in turns in one process
+    (a shared VM's speed drifts by a third within minutes; paired steps see the same drift)."""
+    here = str(Path(__file__).resolve().parents[1])
+    rows = []
+    for fmt in formats:
+        runtimes = {"baseline": _runtime_from(baseline, drafter, fmt, device, max(batches)),
+                    "this": _runtime_from(here, drafter, fmt, device, max(batches))}
+        for batch in batches:
+            ids = [f"b{batch}-{i}" for i in range(batch)]
+            prompt = [[(7 * i + j) % 1000 + 10 for j in range(CONTEXT)] for i in range(batch)]
+            for runtime in runtimes.values():
+                for r in ids:
+                    runtime.add(r)
+                runtime.forward(ids, [0] * batch, prompt)
+            times: dict[str, list[float]] = {name: [] for name in runtimes}
+            for s in range(steps + 3):
+                for name, runtime in runtimes.items():
+                    new = torch.tensor([(s * 13 + i) % 1000 + 10 for i in range(batch)], device=runtime.device)
+                    _sync(device)
+                    start = time.perf_counter()
+                    runtime.forward_next(ids, [CONTEXT] * batch, new)
+                    _sync(device)
+                    if s >= 3:
+                        times[name].append(time.perf_counter() - start)
+            for runtime in runtimes.values():
+                for r in ids:
+                    runtime.free(r)
+            ratio = statistics.median(a / b for a, b in zip(times["this"], times["baseline"]))
+            row = {"format": fmt, "batch": batch, "baseline_ms": 1000 * statistics.median(times["baseline"]),
+                   "this_ms": 1000 * statistics.median(times["this"]), "this_over_baseline": ratio}
+            rows.append(row)
+            print(f"{fmt:>9} b={batch:<3} baseline {row['baseline_ms']:6.1f} ms  this {row['this_ms']:6.1f} ms  "
+                  f"ratio {ratio:.3f} (median of paired steps)", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", help="drafter folder (default: the demo pair's SmolLM2-135M-Instruct)")
@@ -140,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, nargs="+",
                         help="thread counts to time, each in turn: llama.cpp's n_threads and torch's (default: "
                              "llama.cpp takes every CPU this process may run on, torch keeps its own)")
+    parser.add_argument("--mixed", type=int, metavar="N",
+                        help="also: the transformers runtime's KV memory under N requests of 8 to 900 tokens")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="time the transformers runtime against the one in DIR (a checkout of another commit, "
+                             "e.g. `git worktree add /tmp/before REV`), step by step in turns; nothing else runs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -151,6 +246,20 @@ def main(argv: list[str] | None = None) -> int:
 
         drafter = ensure_smollm2()
     on_cpu = torch.device(args.device).type == "cpu"
+    if args.baseline:
+        result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "baseline": args.baseline,
+                  "drafter": drafter, "device": args.device, "context": CONTEXT, "torch": torch.__version__,
+                  "rows": paired_with_baseline(args.baseline, drafter, args.formats or ["float32", "bfloat16"],
+                                               args.batches, args.steps, args.device)}
+        if args.mixed:
+            result["mixed_load"] = {
+                name: mixed_load_memory(drafter, "bfloat16", args.device, args.mixed, package_root=root)
+                for name, root in (("baseline", args.baseline), ("this", str(Path(__file__).resolve().parents[1])))}
+            print(f"mixed load: {result['mixed_load']}", flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+        return 0
     formats = args.formats or (["float32", "bfloat16", "int8", "gguf"] if on_cpu else ["float32", "bfloat16", "float16"])
     copy_bandwidth = memory_bandwidth(args.device)
     bandwidth = read_bandwidth(args.device)
@@ -198,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
               "copy_bandwidth_gb_s": copy_bandwidth / 1e9, "context": CONTEXT,
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
               "ld_preload": os.environ.get("LD_PRELOAD", ""), "rows": rows}
+    if args.mixed:
+        result["mixed_load"] = mixed_load_memory(drafter, "bfloat16", args.device, args.mixed)
+        print(f"mixed load: {result['mixed_load']}", flush=True)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,9 @@ def test_doctor_shows_the_drafters_probe_verdict(real_pair, tmp_path):
     lines = first.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith(f"drafter {real_pair['smollm2']}: "))
     assert lines[head].startswith(f"drafter {real_pair['smollm2']}: llama_cpp (gguf/q8_0), GGUF ")
-    assert lines[head + 1].startswith("  probe: llama.cpp (") and ": ok: top-1 agreement " in lines[head + 1]
+    # SmolLM2-135M: 30 layers x (k, v) x 3 KV heads x 64 dims x 2 B (llama.cpp's f16 cache) = 22.5 KiB a token
+    assert lines[head + 1].startswith("  memory, allocated at start-up: KV cache 22.5 KiB per token")
+    assert lines[head + 2].startswith("  probe: llama.cpp (") and ": ok: top-1 agreement " in lines[head + 2]
     assert "verdict probed now in" in lines[-1] and str(tmp_path / "native-probe") in lines[-1]
     report = json.loads(second.stdout)["drafter"]
     assert report["probe"]["cached"] is True and report["probe"]["settings"]["extra_buffer_types"] is True

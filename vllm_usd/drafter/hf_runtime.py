@@ -56,7 +56,8 @@ class _PagedCacheView:
             heads, dim = pool.shape[2], pool.shape[3]
             flat = pool.view(-1, heads, dim)  # [blocks * BLOCK_SIZE, Hkv, D]
             flat.index_copy_(0, self._slots, states.transpose(1, 2).reshape(-1, heads, dim).to(pool.dtype))
-            out.append(pool[self._table].view(rows, -1, heads, dim).transpose(1, 2))
+            gathered = pool.index_select(0, self._table.reshape(-1))  # [R * NB, BLOCK_SIZE, Hkv, D]
+            out.append(gathered.view(rows, -1, heads, dim).transpose(1, 2))
         return out[0], out[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -13,6 +13,8 @@ importing it, so a machine that cannot run a vLLM release can still check it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +127,10 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
     choice = choose(drafter, runtime=runtime, gguf=gguf, gguf_type=gguf_type, device="cpu")
     report: dict[str, Any] = {"drafter": drafter, "runtime": choice.runtime, "format": choice.dtype,
                               "gguf": choice.gguf, "probe": None}
+    config, tokenizer = read_drafter(drafter)
+    report["kv_bytes_per_token"] = _kv_bytes_per_token(config, choice)
     if choice.runtime != "llama_cpp":
         return report
-    config, tokenizer = read_drafter(drafter)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     run_gguf, run_type, verdict = probe_verdict(choice, drafter, tokenizer=tokenizer,
                                                 vocab_size=int(text_config.vocab_size), threads=cpu_threads())
@@ -135,12 +138,34 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
                   probe=verdict.as_dict(), probe_summary=verdict.summary())
     if verdict.settings is None:
         report.update(runtime="transformers", format="bfloat16")
+        report["kv_bytes_per_token"] = _kv_bytes_per_token(config, dataclasses.replace(choice, runtime="transformers",
+                                                                                       dtype="bfloat16"))
     return report
+
+
+def _kv_bytes_per_token(config: Any, choice: Any) -> int:
+    from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT
+    from vllm_usd.drafter.select import kv_bytes_per_token
+
+    element = KV_BYTES_PER_ELEMENT if choice.runtime == "llama_cpp" else 2 if choice.dtype in ("bfloat16", "float16") else 4
+    return kv_bytes_per_token(config, element)
+
+
+def _memory_line(per_token: int) -> str:
+    from vllm_usd.config import UsdConfig
+
+    budget = UsdConfig(drafter="").drafter_kv_budget_gb
+    return (f"  memory, allocated at start-up: KV cache {per_token / 1024:.1f} KiB per token, the most "
+            f"drafter_kv_budget_gb={budget:g} holds is {int(budget * (1 << 30)) // per_token} tokens across requests "
+            f"(less where max_num_seqs x the drafter's context needs less); q buffer max_num_seqs x k x target "
+            f"vocabulary x 4 B (none when every request drafts greedily)")
 
 
 def format_drafter(report: dict[str, Any]) -> str:
     lines = [f"drafter {report['drafter']}: {report['runtime']} ({report['format']})"
              + (f", GGUF {report['gguf']}" if report["runtime"] == "llama_cpp" else "")]
+    if report.get("kv_bytes_per_token"):
+        lines.append(_memory_line(report["kv_bytes_per_token"]))
     probe = report.get("probe")
     if probe is None:
         return "\n".join(lines)
