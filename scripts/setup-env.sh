@@ -51,5 +51,22 @@ if ! portable; then
     "$VENV/bin/python" -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3"  # llama-cpp-python's own needs
   fi
 fi
+# llama.cpp's own converter (convert_hf_to_gguf.py, its conversion package and gguf-py), from the same
+# release's source distribution: a drafter given as a Hugging Face folder is converted with it once
+# (vllm_usd/drafter/hf_to_gguf.py). Unpacked into $VLLM_USD_CACHE/llama.cpp-convert/<release>.
+convert="${VLLM_USD_CACHE:-$HOME/.cache/vllm-usd}/llama.cpp-convert/${LLAMA_CPP#*==}"
+if portable && [ ! -f "$convert/convert_hf_to_gguf.py" ]; then
+  echo "[vllm-usd] unpacking llama.cpp's HF-to-GGUF converter from the $LLAMA_CPP sources"
+  src=$(mktemp -d)
+  if "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "$LLAMA_CPP" -d "$src" \
+      && tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src" --strip-components=3 --wildcards \
+         '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion' '*/vendor/llama.cpp/gguf-py'; then
+    mkdir -p "$(dirname "$convert")" && rm -rf "$convert.tmp" && mkdir "$convert.tmp" \
+      && mv "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$convert.tmp/" && mv "$convert.tmp" "$convert"
+  else
+    echo "[vllm-usd] WARNING: the converter was not unpacked; drafter folders without a GGUF run in transformers" >&2
+  fi
+  rm -rf "$src"
+fi
 "$VENV/bin/python" -c "import vllm, transformers, vllm_usd; print('[vllm-usd] ready: vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

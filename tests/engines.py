@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import glob
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,7 +37,11 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     args = {**ENGINE_DEFAULTS, **kwargs}
     if drafter is not None:
-        args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **{"adaptive_length": False, **(usd or {})}))
+        # a folder without a GGUF stays on transformers, as before conversion existed (tests/test_hf_to_gguf.py
+        # covers the conversion): these tests check the drafting machinery, not the drafter's format
+        pinned = {} if glob.glob(os.path.join(drafter, "*.gguf")) else {"drafter_runtime": "transformers"}
+        args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **{"adaptive_length": False, **pinned,
+                                                                      **(usd or {})}))
     if proposer is not None:  # the engine's processes import it by name
         args["speculative_config"]["model"] = f"{proposer.__module__}.{proposer.__qualname__}"
         env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +15,9 @@ def vllm_config(target: str, usd: dict | None, k: int = 3, max_num_seqs: int = 8
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(target).vocab_size
+    drafter = (usd or {}).get("drafter")
+    if drafter and os.path.isdir(drafter) and not glob.glob(os.path.join(drafter, "*.gguf")):
+        usd = {"drafter_runtime": "transformers", **usd}  # as tests/engines.py: no conversion here
     model_config = SimpleNamespace(tokenizer=target, tokenizer_revision=None, trust_remote_code=False,
                                    get_vocab_size=lambda: vocab, max_model_len=512)
     return SimpleNamespace(

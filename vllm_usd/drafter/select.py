@@ -4,8 +4,9 @@
 - ``"llama_cpp"``: the drafter's GGUF in llama.cpp (CPU only).
 - ``"transformers"``: the drafter folder in transformers, on the worker's device.
 - ``"auto"`` (default): llama.cpp on the CPU when ``llama-cpp-python`` is installed and a
-  GGUF is found (``usd.drafter_gguf``, or a single ``*.gguf`` file in the drafter folder);
-  otherwise transformers.
+  GGUF is found (``usd.drafter_gguf``, or a single ``*.gguf`` file in the drafter folder), or
+  the folder converts to one (``hf_to_gguf.py``; not when ``usd.drafter_dtype`` names a
+  transformers format); otherwise transformers.
 
 A llama.cpp choice runs only as its native probe proved it on this host (``native_probe.py``):
 with the settings that passed, or in transformers where none did (``proven``).
@@ -91,6 +92,8 @@ def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str |
         if usable:
             check_gguf(found)
             return DrafterChoice("llama_cpp", "gguf", "cpu", found, gguf_type)
+        if runtime == "auto" and dtype == "auto" and on_cpu and found is None and _convertible(path):
+            return DrafterChoice("llama_cpp", "gguf", "cpu", None, gguf_type)  # converted when opened
         if runtime == "llama_cpp":
             why = ("it runs on the CPU only" if not on_cpu else
                    "no GGUF was found: set usd.drafter_gguf" if found is None else
@@ -101,6 +104,16 @@ def choose(path: str, *, runtime: str = "auto", dtype: str = "auto", gguf: str |
     if dtype == "int8" and not on_cpu:
         raise DrafterLoadError("vllm-usd: usd.drafter_dtype = \"int8\" runs on the CPU only; use \"bfloat16\" on a GPU.")
     return DrafterChoice("transformers", dtype, str(device))
+
+
+def _convertible(path: str) -> bool:
+    """A Hugging Face folder with weights, and llama.cpp and its converter installed."""
+    from vllm_usd import envs
+    from vllm_usd.drafter.hf_to_gguf import converter_dir
+    from vllm_usd.drafter.llama_cpp_runtime import llama_cpp_available
+
+    has_weights = os.path.isdir(path) and any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path))
+    return has_weights and llama_cpp_available() and converter_dir(envs.cache_dir()) is not None
 
 
 def kv_bytes_per_token(config: Any, element_bytes: int) -> int:
@@ -123,9 +136,11 @@ def probe_verdict(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_siz
     """(the GGUF to run, its type, the native probe's ``NativeVerdict``) for a llama.cpp ``choice``."""
     from vllm_usd import envs
     from vllm_usd.drafter.gguf_types import drafter_gguf
+    from vllm_usd.drafter.hf_to_gguf import convert_folder
     from vllm_usd.drafter.native_probe import CHILD, prove_native
 
-    gguf, gguf_type = drafter_gguf(choice.gguf, choice.gguf_type, envs.cache_dir())
+    source = choice.gguf or convert_folder(path, envs.cache_dir())  # ConversionError where it cannot be
+    gguf, gguf_type = drafter_gguf(source, choice.gguf_type, envs.cache_dir())
     return gguf, gguf_type, prove_native(gguf, path, vocab_size=vocab_size, tokenizer=tokenizer, threads=threads,
                                          cache_root=envs.cache_dir(), timeout_s=timeout_s, child=child or CHILD)
 
@@ -135,10 +150,17 @@ def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int,
     """``choice`` (llama.cpp) as its probe proved it: the GGUF to run (requantized where
     usd.drafter_gguf_type says) with the settings that passed here, or the transformers runtime
     where none did. Logs the verdict in one line; never raises."""
+    from vllm_usd.drafter.hf_to_gguf import ConversionError
+
     fallback = DrafterChoice("transformers", AUTO_DTYPE["cpu"], "cpu")
     try:
         gguf, gguf_type, verdict = probe_verdict(choice, path, tokenizer=tokenizer, vocab_size=vocab_size,
                                                  threads=threads, timeout_s=timeout_s, child=child)
+    except ConversionError as exc:
+        line = (f"vllm-usd: the drafter folder {path} was not converted for llama.cpp: {exc}; it runs on "
+                f"transformers {fallback.dtype}")
+        logger.warning("%s", line)
+        return dataclasses.replace(fallback, probe=line)
     except Exception as exc:  # noqa: BLE001 - a probe that cannot run proves nothing: no native code serves
         line = (f"vllm-usd: the llama.cpp drafter could not be probed ({type(exc).__name__}: {exc}); "
                 f"the drafter runs on transformers {fallback.dtype} instead")

@@ -122,6 +122,7 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
     """How ``drafter`` runs on this host's CPU, as a worker would start it (the probe's cache included)."""
     from vllm_usd.drafter.llama_cpp_runtime import cpu_threads
     from vllm_usd.drafter.loading import read_drafter
+    from vllm_usd.drafter.hf_to_gguf import ConversionError
     from vllm_usd.drafter.select import choose, probe_verdict
 
     choice = choose(drafter, runtime=runtime, gguf=gguf, gguf_type=gguf_type, device="cpu")
@@ -132,8 +133,14 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
     if choice.runtime != "llama_cpp":
         return report
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    run_gguf, run_type, verdict = probe_verdict(choice, drafter, tokenizer=tokenizer,
-                                                vocab_size=int(text_config.vocab_size), threads=cpu_threads())
+    try:
+        run_gguf, run_type, verdict = probe_verdict(choice, drafter, tokenizer=tokenizer,
+                                                    vocab_size=int(text_config.vocab_size), threads=cpu_threads())
+    except ConversionError as exc:
+        report.update(runtime="transformers", format="bfloat16", conversion=f"not converted for llama.cpp: {exc}",
+                      kv_bytes_per_token=_kv_bytes_per_token(config, dataclasses.replace(
+                          choice, runtime="transformers", dtype="bfloat16")))
+        return report
     report.update(gguf=run_gguf, format="gguf" if run_type == "file" else f"gguf/{run_type}",
                   probe=verdict.as_dict(), probe_summary=verdict.summary())
     if verdict.settings is None:
@@ -164,6 +171,8 @@ def _memory_line(per_token: int) -> str:
 def format_drafter(report: dict[str, Any]) -> str:
     lines = [f"drafter {report['drafter']}: {report['runtime']} ({report['format']})"
              + (f", GGUF {report['gguf']}" if report["runtime"] == "llama_cpp" else "")]
+    if report.get("conversion"):
+        lines.append(f"  {report['conversion']}")
     if report.get("kv_bytes_per_token"):
         lines.append(_memory_line(report["kv_bytes_per_token"]))
     probe = report.get("probe")
