@@ -76,23 +76,32 @@ def head_rows(vocab: int) -> torch.Tensor:
 
 
 def step_times(runtime, batch: int, steps: int, device: str) -> list[float]:
+    return steps_in_turns({"one": runtime}, batch, steps, device)["one"]
+
+
+def steps_in_turns(runtimes: dict, batch: int, steps: int, device: str) -> dict[str, list[float]]:
+    """Seconds of each runtime's one-token decode steps at ``batch``, the runtimes stepping in turns
+    (three warm-up steps each, not counted)."""
     ids = [f"r{i}" for i in range(batch)]
-    for r in ids:
-        assert runtime.add(r)
     prompt = [[(7 * i + j) % 1000 + 10 for j in range(CONTEXT)] for i in range(batch)]
-    runtime.forward(ids, [0] * batch, prompt)
-    times = []
+    for runtime in runtimes.values():
+        for r in ids:
+            assert runtime.add(r)
+        runtime.forward(ids, [0] * batch, prompt)
+    times: dict[str, list[float]] = {name: [] for name in runtimes}
     for s in range(steps + 3):
-        new = torch.tensor([(s * 13 + i) % 1000 + 10 for i in range(batch)], device=runtime.device)
-        _sync(device)
-        start = time.perf_counter()
-        # the path drafts take (ids where they were sampled); rolls back the last step's token, decodes one
-        runtime.forward_next(ids, [CONTEXT] * batch, new)
-        _sync(device)
-        if s >= 3:
-            times.append(time.perf_counter() - start)
-    for r in ids:
-        runtime.free(r)
+        for name, runtime in runtimes.items():
+            new = torch.tensor([(s * 13 + i) % 1000 + 10 for i in range(batch)], device=runtime.device)
+            _sync(device)
+            start = time.perf_counter()
+            # the path drafts take (ids where they were sampled); rolls back the last step's token, decodes one
+            runtime.forward_next(ids, [CONTEXT] * batch, new)
+            _sync(device)
+            if s >= 3:
+                times[name].append(time.perf_counter() - start)
+    for runtime in runtimes.values():
+        for r in ids:
+            runtime.free(r)
     return times
 
 
@@ -192,25 +201,7 @@ def paired_with_baseline(baseline: str, drafter: str, formats: list[str], batche
         runtimes = {"baseline": _runtime_from(baseline, drafter, fmt, device, max(batches)),
                     "this": _runtime_from(here, drafter, fmt, device, max(batches))}
         for batch in batches:
-            ids = [f"b{batch}-{i}" for i in range(batch)]
-            prompt = [[(7 * i + j) % 1000 + 10 for j in range(CONTEXT)] for i in range(batch)]
-            for runtime in runtimes.values():
-                for r in ids:
-                    runtime.add(r)
-                runtime.forward(ids, [0] * batch, prompt)
-            times: dict[str, list[float]] = {name: [] for name in runtimes}
-            for s in range(steps + 3):
-                for name, runtime in runtimes.items():
-                    new = torch.tensor([(s * 13 + i) % 1000 + 10 for i in range(batch)], device=runtime.device)
-                    _sync(device)
-                    start = time.perf_counter()
-                    runtime.forward_next(ids, [CONTEXT] * batch, new)
-                    _sync(device)
-                    if s >= 3:
-                        times[name].append(time.perf_counter() - start)
-            for runtime in runtimes.values():
-                for r in ids:
-                    runtime.free(r)
+            times = steps_in_turns(runtimes, batch, steps, device)
             ratio = statistics.median(a / b for a, b in zip(times["this"], times["baseline"]))
             row = {"format": fmt, "batch": batch, "baseline_ms": 1000 * statistics.median(times["baseline"]),
                    "this_ms": 1000 * statistics.median(times["this"]), "this_over_baseline": ratio}
