@@ -14,19 +14,26 @@ Q4_0, Q4_1, Q8_0, Q4_K_M, IQ4_NL, F16 = 2, 3, 7, 15, 25, 1
 
 
 @pytest.mark.parametrize("setting,current,expected", [
-    ("auto", Q4_1, "q8_0"),  # measured slower than its Q8_0 copy: requantized
-    ("auto", Q4_0, None),
-    ("auto", Q4_K_M, None),
-    ("auto", IQ4_NL, None),
     ("file", Q4_1, None),
     ("q4_0", Q4_1, "q4_0"),
     ("q4_0", Q4_0, None),  # already that type
     ("q8_0", Q4_K_M, "q8_0"),
-    ("auto", F16, None),  # 16-bit is slower here, but never rounded again: auto leaves it alone
     ("bf16", Q4_1, "bf16"),
 ])
 def test_which_ggufs_are_requantized_and_to_what(setting, current, expected):
     assert gguf_types.resolve(setting, current) == expected
+
+
+@pytest.mark.parametrize("current,timed", [
+    (Q4_1, [None, "q8_0"]),  # a 4-bit file: as it is, or widened; never rounded to 4 bits again
+    (Q4_0, [None, "q8_0"]),
+    (Q4_K_M, [None, "q8_0"]),
+    (IQ4_NL, [None, "q8_0"]),
+    (Q8_0, [None, "q4_0"]),
+    (F16, ["q8_0", "q4_0"]),  # 16-bit (a converted folder): its 8- and 4-bit copies, not itself
+])
+def test_what_auto_times_for_each_file_type(current, timed):
+    assert gguf_types.auto_types(current) == timed
 
 
 def test_an_unknown_type_names_the_choices():
@@ -86,8 +93,8 @@ def test_a_gguf_is_requantized_once_and_drafts_like_the_file(real_pair, tmp_path
     assert agree >= 0.9, f"the requantized drafter agrees with its source on {agree:.0%} of next tokens"
 
 
-def test_auto_runs_the_file_as_it_is_when_requantizing_fails(tmp_path, monkeypatch, caplog):
-    """An unwritable cache must not stop an engine that never asked for a type: auto falls back."""
+def test_auto_leaves_out_a_type_that_fails_to_requantize(tmp_path, monkeypatch, caplog):
+    """An unwritable cache must not stop an engine that never asked for a type: auto times what it has."""
     src = tmp_path / "m.gguf"
     src.write_bytes(b"x")
     monkeypatch.setattr(gguf_types, "file_type", lambda _path: Q4_1)
@@ -96,7 +103,7 @@ def test_auto_runs_the_file_as_it_is_when_requantizing_fails(tmp_path, monkeypat
         raise OSError("read-only file system")
     monkeypatch.setattr(gguf_types, "requantize", fail)
     with caplog.at_level("WARNING", logger="vllm.usd"):
-        assert gguf_types.drafter_gguf(str(src), "auto", str(tmp_path / "ro")) == (str(src), "file")
-    assert "running" in caplog.text and "as it is" in caplog.text
+        assert gguf_types.candidates(str(src), "auto", str(tmp_path / "ro")) == [(str(src), "file")]
+    assert "could not requantize" in caplog.text and "not timing it" in caplog.text
     with pytest.raises(OSError, match="read-only"):  # a type the user named: the error stands
-        gguf_types.drafter_gguf(str(src), "q8_0", str(tmp_path / "ro"))
+        gguf_types.candidates(str(src), "q8_0", str(tmp_path / "ro"))

@@ -21,8 +21,8 @@ class UsdConfig:
     drafter_runtime:       "auto" (default: llama.cpp on the CPU when a GGUF is found, else transformers),
                            "transformers" or "llama_cpp" (see vllm_usd/drafter/select.py).
     drafter_gguf:          the drafter's GGUF file for llama.cpp (default: the one *.gguf in the drafter folder).
-    drafter_gguf_type:     llama.cpp weight type: "auto" (default: a GGUF of a type measured slow on the CPU,
-                           Q4_1, is requantized once to "q8_0"), "file" (as it is), or a type to
+    drafter_gguf_type:     llama.cpp weight type: "auto" (default: the fastest of the types the native probe
+                           times on this host, gguf_types.candidates), "file" (as it is), or a type to
                            requantize to: "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0", "f16", "bf16" (vllm_usd/drafter/gguf_types.py).
     drafter_dtype:         transformers weight format: "auto" (default: the fastest measured on the
                            device), "float32", "bfloat16", "float16", "int8" (CPU) or "config".

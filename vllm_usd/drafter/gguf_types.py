@@ -1,17 +1,17 @@
 """The llama.cpp drafter's weight type: its GGUF as shipped, or requantized once to a faster type.
 
-llama.cpp's CPU matmul speed depends on the weight type, not only on its size. On this
-machine (AVX2, ``benchmarks/drafter_step.py --formats gguf gguf:q8_0 ...``) SmolLM2-135M's
-Q4_1 GGUF runs a decode step slower than the same weights requantized to Q8_0, at every batch
-size, though Q8_0 reads 1.5x the bytes; the 4-bit types with repacked kernels (Q4_0, IQ4_NL)
-are faster still but round the 4-bit weights a second time, and draft noticeably differently
+llama.cpp's CPU matmul speed depends on the weight type and on the host, not only on the
+bytes read: SmolLM2-135M's Q4_1 GGUF ran slower than its Q8_0 copy on one of this project's
+machines (AVX2) and faster on another (AVX-512, with repacked kernels). So ``auto`` measures.
+A 4-bit GGUF is never rounded to 4 bits a second time: that drafts noticeably differently
 (README, "Drafter speed"). ``usd.drafter_gguf_type`` picks the type the drafter runs in:
 
 - ``"file"``: the GGUF as it is;
 - a llama.cpp type name (``GGUF_TYPES``): the GGUF requantized to that type, once, into
   ``$VLLM_USD_CACHE/gguf/`` (about a second for a 135M model), and reused after that;
-- ``"auto"`` (default): ``AUTO_TARGET_TYPE`` for a GGUF of a type measured slow here
-  (``SLOW_FILE_TYPES``), the file as it is otherwise.
+- ``"auto"`` (default): whichever of ``candidates`` steps fastest at batch 1 on this host, as the
+  native probe times them (``select.probe_verdict``): a 4-bit file as it is or as Q8_0; a wider
+  one as Q8_0 or Q4_0.
 
 Requantizing keeps drafting lossless: q is the distribution the requantized drafter's own
 logits give.
@@ -33,10 +33,8 @@ logger = logging.getLogger("vllm.usd")
 GGUF_TYPES: dict[str, int] = {"q4_0": 2, "iq4_nl": 25, "q4_1": 3, "q4_k_m": 15, "q8_0": 7, "f16": 1, "bf16": 32}
 CHOICES = ("auto", "file", *GGUF_TYPES)
 
-# file types measured slower here than their Q8_0 requantization (benchmarks/drafter_step.py
-# --formats gguf gguf:q8_0): Q4_1. Gemma-3's Q4_K_M ran as fast as its Q8_0 copy and stays as it is.
-SLOW_FILE_TYPES = frozenset({3})
-AUTO_TARGET_TYPE = "q8_0"
+# 16- and 32-bit files read too many bytes to be worth timing: auto times their 8- and 4-bit copies only
+WIDE_FILE_TYPES = frozenset({0, 1, 32})  # f32, f16, bf16
 
 
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -129,12 +127,19 @@ def _parse_gguf(gguf: str) -> tuple[dict[str, object], list[tuple[int, int]]]:
         return meta, [(start + offset, n) for offset, n in infos]
 
 
+def auto_types(current: int) -> list[str | None]:
+    """What ``auto`` times, for a file of type ``current``: None for the file as it is, else a type name."""
+    if current in WIDE_FILE_TYPES:
+        return ["q8_0", "q4_0"]
+    if current == GGUF_TYPES["q8_0"]:
+        return [None, "q4_0"]
+    return [None, "q8_0"]  # 4-bit files never as Q4_0 (a second 4-bit rounding); 5- and 6-bit ones neither
+
+
 def resolve(gguf_type: str, current: int) -> str | None:
-    """The type to requantize to, or None to run the file as it is."""
+    """The type to requantize to, or None to run the file as it is (not for ``auto``: see ``candidates``)."""
     if gguf_type == "file":
         return None
-    if gguf_type == "auto":
-        return AUTO_TARGET_TYPE if current in SLOW_FILE_TYPES else None
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"vllm-usd: usd.drafter_gguf_type = {gguf_type!r} is not one of {', '.join(CHOICES)}.")
     return None if GGUF_TYPES[gguf_type] == current else gguf_type
@@ -177,23 +182,30 @@ def requantize(gguf: str, gguf_type: str, out: Path) -> None:
                          "Set usd.drafter_gguf_type = \"file\" to run the GGUF as it is.")
 
 
+def candidates(gguf: str, gguf_type: str, cache_root: str) -> list[tuple[str, str]]:
+    """(the GGUF to run, its type's name, ``"file"`` for the source as it is) for each type to try: the
+    one ``gguf_type`` names, or every type ``auto`` times (those that fail to requantize left out)."""
+    if gguf_type != "auto":
+        return [drafter_gguf(gguf, gguf_type, cache_root)]
+    out = []
+    for target in auto_types(file_type(gguf)):
+        try:
+            out.append(drafter_gguf(gguf, target or "file", cache_root))
+        except (OSError, ValueError) as exc:  # auto is a speed-up, not something the user asked for
+            logger.warning("vllm-usd: could not requantize the drafter GGUF to %s (%s); not timing it", target, exc)
+    return out or [(gguf, "file")]
+
+
 def drafter_gguf(gguf: str, gguf_type: str, cache_root: str) -> tuple[str, str]:
-    """The GGUF the drafter runs, and its type's name (``"file"`` when it is the source as it is)."""
+    """The GGUF the drafter runs for a named ``gguf_type``, and its type's name (``"file"`` when it is the
+    source as it is); requantized into the cache the first time."""
     target = resolve(gguf_type, file_type(gguf))
     if target is None:
         return gguf, "file"
     out = requantized_path(gguf, target, cache_root)
     if not out.is_file():
         start = time.perf_counter()
-        try:
-            requantize(gguf, target, out)
-        except (OSError, ValueError) as exc:
-            if gguf_type != "auto":
-                raise
-            # auto is a speed-up, not something the user asked for: never fail a start for it
-            logger.warning("vllm-usd: could not requantize the drafter GGUF to %s (%s); running %s as it is. "
-                           "Set usd.drafter_gguf_type = \"file\" to skip the attempt.", target, exc, gguf)
-            return gguf, "file"
+        requantize(gguf, target, out)
         logger.info("vllm-usd: requantized the drafter GGUF %s to %s in %.1fs: %s", gguf, target,
                     time.perf_counter() - start, out)
     return str(out), target

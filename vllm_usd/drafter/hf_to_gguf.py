@@ -7,10 +7,10 @@ llama-cpp-python release: ``scripts/setup-env.sh`` unpacks them into
 here. It runs in a child process, so an architecture it does not know is one
 failed conversion, reported in one line, and the drafter stays on transformers.
 
-The GGUF is written as Q8_0 (the type ``gguf_types.AUTO_TARGET_TYPE`` requantizes
-to) and cached in ``$VLLM_USD_CACHE/gguf``, keyed by the SHA-256 of the folder's
-files (config, tokenizer, weights) and the converter's release: a folder whose
-weights change is converted again.
+The GGUF is written in 16-bit (``f16``: nothing rounded yet, so ``auto`` can time
+its Q8_0 and Q4_0 copies, ``gguf_types.py``) and cached in ``$VLLM_USD_CACHE/gguf``,
+keyed by the SHA-256 of the folder's files (config, tokenizer, weights) and the
+converter's release: a folder whose weights change is converted again.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 logger = logging.getLogger("vllm.usd")
 
-OUT_TYPE = "q8_0"
+OUT_TYPE = "f16"
 #: the folder's files that decide the GGUF: weights, config and tokenizer (not READMEs, not other GGUFs)
 KEYED_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".tiktoken")
 CONVERT_TIMEOUT_S = 900.0

@@ -55,7 +55,7 @@ from vllm_usd.drafter.llama_cpp_runtime import NativeSettings
 
 logger = logging.getLogger("vllm.usd")
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: each attempt's batch-1 step time
 TOP1_MIN = 0.7
 LOGPROB_GAP_MAX = 1.0  # nats
 CHILD = "vllm_usd.drafter.probe_child"
@@ -177,6 +177,11 @@ class NativeVerdict:
         settings = data.get("settings")
         return cls(**{**data, "settings": NativeSettings(**settings) if settings else None})
 
+    @property
+    def step_ms(self) -> float | None:
+        """The batch-1 step time the passing settings measured in the probe."""
+        return next((a.get("step_ms") for a in self.attempts if a["outcome"] == "ok"), None)
+
     def summary(self) -> str:
         """One line: what failed, and what runs instead."""
         failed = [f"{a['settings']} {a['outcome']}" for a in self.attempts if a["outcome"] != "ok"]
@@ -272,7 +277,8 @@ def _attempt(settings: NativeSettings, gguf: str, calls: list, expected: np.ndar
                         "vocab_size": vocab_size, "calls": calls, "out": out}, timeout_s=timeout_s, module=child)
     attempt: dict[str, Any] = {"settings": settings.describe(result.events.get("buffer_types")),
                                "outcome": result.outcome, "buffer_types": result.events.get("buffer_types"),
-                               "top1": None, "logprob_gap": None, "rows": len(expected) if expected is not None else 0}
+                               "top1": None, "logprob_gap": None, "rows": len(expected) if expected is not None else 0,
+                               "step_ms": result.events.get("step_ms")}
     if result.ok and expected is not None:
         top1, gap = agreement(np.load(out), expected)
         attempt.update(top1=top1, logprob_gap=gap)

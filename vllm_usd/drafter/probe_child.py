@@ -7,7 +7,8 @@ on stdout, one per stage, so that the parent knows how far a child got when it c
 - ``{"call": "requantize", "gguf", "gguf_type", "out"}``: the GGUF requantized to ``out``;
 - ``{"call": "probe", "gguf", "settings", "threads", "vocab_size", "calls", "out"}``: loads the
   GGUF as a worker would (``{"buffer_types": [...]}``), runs the scripted forwards on
-  ``LlamaCppDrafterRuntime`` and saves their logits to ``out`` (``[rows, vocab]``, ``.npy``).
+  ``LlamaCppDrafterRuntime``, saves their logits to ``out`` (``[rows, vocab]``, ``.npy``) and times
+  a one-token forward at batch 1 (``step_ms``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,20 @@ def probe(request: dict[str, Any]) -> None:
     for req_ids, keep, new in request["calls"]:
         rows.append(runtime.forward(req_ids, keep, new))  # [len(req_ids), vocab_size]
     np.save(request["out"], torch.cat(rows).numpy())
-    _say(saved=request["out"])
+    _say(saved=request["out"], step_ms=_step_ms(runtime))
+
+
+def _step_ms(runtime) -> float:
+    """Median milliseconds of a one-token batch-1 forward with these settings, after two warm-up ones."""
+    import statistics
+    import time
+
+    length, times = len(runtime.cached_tokens("a")), []
+    for step in range(14):
+        start = time.perf_counter()
+        runtime.forward(["a"], [length], [[100 + step]])  # each step rolls the last one back
+        times.append(time.perf_counter() - start)
+    return round(1000 * statistics.median(times[2:]), 3)
 
 
 def serve(request: dict[str, Any]) -> None:

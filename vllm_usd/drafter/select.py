@@ -133,16 +133,29 @@ class OpenedDrafter:
 
 def probe_verdict(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, threads: int,
                   timeout_s: float = 120.0, child: str | None = None):
-    """(the GGUF to run, its type, the native probe's ``NativeVerdict``) for a llama.cpp ``choice``."""
+    """(the GGUF to run, its type, the native probe's ``NativeVerdict`` for it, {type: batch-1 step ms}) for a
+    llama.cpp ``choice``. Where ``usd.drafter_gguf_type`` is ``auto``, each candidate type is probed and
+    the fastest that passed runs (``gguf_types.candidates``)."""
     from vllm_usd import envs
-    from vllm_usd.drafter.gguf_types import drafter_gguf
+    from vllm_usd.drafter.gguf_types import candidates
     from vllm_usd.drafter.hf_to_gguf import convert_folder
     from vllm_usd.drafter.native_probe import CHILD, prove_native
 
     source = choice.gguf or convert_folder(path, envs.cache_dir())  # ConversionError where it cannot be
-    gguf, gguf_type = drafter_gguf(source, choice.gguf_type, envs.cache_dir())
-    return gguf, gguf_type, prove_native(gguf, path, vocab_size=vocab_size, tokenizer=tokenizer, threads=threads,
-                                         cache_root=envs.cache_dir(), timeout_s=timeout_s, child=child or CHILD)
+    runs = []
+    for gguf, gguf_type in candidates(source, choice.gguf_type, envs.cache_dir()):
+        verdict = prove_native(gguf, path, vocab_size=vocab_size, tokenizer=tokenizer, threads=threads,
+                               cache_root=envs.cache_dir(), timeout_s=timeout_s, child=child or CHILD)
+        runs.append((gguf, gguf_type, verdict))
+    timed = {gguf_type: verdict.step_ms for _, gguf_type, verdict in runs}
+    passed = [run for run in runs if run[2].settings is not None]
+    best = min(passed, key=lambda run: run[2].step_ms if run[2].step_ms is not None else float("inf")) \
+        if passed else runs[0]
+    if len(runs) > 1:
+        logger.info("vllm-usd: the drafter GGUF's types timed at batch 1 on this host: %s; runs %s",
+                    ", ".join(f"{name} {ms:.1f} ms" if ms is not None else f"{name} failed the probe"
+                              for name, ms in timed.items()), best[1])
+    return best[0], best[1], best[2], timed
 
 
 def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, threads: int,
@@ -154,8 +167,8 @@ def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int,
 
     fallback = DrafterChoice("transformers", AUTO_DTYPE["cpu"], "cpu")
     try:
-        gguf, gguf_type, verdict = probe_verdict(choice, path, tokenizer=tokenizer, vocab_size=vocab_size,
-                                                 threads=threads, timeout_s=timeout_s, child=child)
+        gguf, gguf_type, verdict, _ = probe_verdict(choice, path, tokenizer=tokenizer, vocab_size=vocab_size,
+                                                    threads=threads, timeout_s=timeout_s, child=child)
     except ConversionError as exc:
         line = (f"vllm-usd: the drafter folder {path} was not converted for llama.cpp: {exc}; it runs on "
                 f"transformers {fallback.dtype}")

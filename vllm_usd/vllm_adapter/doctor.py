@@ -134,15 +134,16 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
         return report
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
-        run_gguf, run_type, verdict = probe_verdict(choice, drafter, tokenizer=tokenizer,
-                                                    vocab_size=int(text_config.vocab_size), threads=cpu_threads())
+        run_gguf, run_type, verdict, timed = probe_verdict(choice, drafter, tokenizer=tokenizer,
+                                                           vocab_size=int(text_config.vocab_size),
+                                                           threads=cpu_threads())
     except ConversionError as exc:
         report.update(runtime="transformers", format="bfloat16", conversion=f"not converted for llama.cpp: {exc}",
                       kv_bytes_per_token=_kv_bytes_per_token(config, dataclasses.replace(
                           choice, runtime="transformers", dtype="bfloat16")))
         return report
     report.update(gguf=run_gguf, format="gguf" if run_type == "file" else f"gguf/{run_type}",
-                  probe=verdict.as_dict(), probe_summary=verdict.summary())
+                  probe=verdict.as_dict(), probe_summary=verdict.summary(), types_timed=timed)
     if verdict.settings is None:
         report.update(runtime="transformers", format="bfloat16")
         report["kv_bytes_per_token"] = _kv_bytes_per_token(config, dataclasses.replace(choice, runtime="transformers",
@@ -173,6 +174,10 @@ def format_drafter(report: dict[str, Any]) -> str:
              + (f", GGUF {report['gguf']}" if report["runtime"] == "llama_cpp" else "")]
     if report.get("conversion"):
         lines.append(f"  {report['conversion']}")
+    if len(report.get("types_timed") or {}) > 1:
+        lines.append("  weight types timed at batch 1 here: " + ", ".join(
+            f"{name} {ms:.1f} ms" if ms is not None else f"{name} failed the probe"
+            for name, ms in report["types_timed"].items()))
     if report.get("kv_bytes_per_token"):
         lines.append(_memory_line(report["kv_bytes_per_token"]))
     probe = report.get("probe")
