@@ -287,7 +287,7 @@ def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, propos
     or (a planted segfault with them) without. Greedy equal with drafts accepted, and the same
     sampling-distribution test (N = 30,000, pass at p >= ALPHA): q comes from the logits llama.cpp gave."""
     target, drafter = pair
-    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf}
+    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf, "drafter_gguf_type": "file"}  # F32 as is
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=usd, proposer=proposer) as llm:
         greedy = _greedy(llm)
         accepted = spec_counts(llm)["accepted"]
@@ -303,7 +303,7 @@ def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, propos
 def test_llama_cpp_planted_bug_is_caught(pair, baseline, drafter_gguf):
     """The same test rejects q on the wrong ids with the llama.cpp runtime."""
     target, drafter = pair
-    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf}
+    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf, "drafter_gguf_type": "file"}  # F32 as is
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=usd, proposer=ScrambleQProposer) as llm:
         samples = _samples(llm, "t1")
         assert proposer_stats(llm)["drafter_runtime"] == "llama_cpp"
