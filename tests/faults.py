@@ -48,6 +48,10 @@ class StringWithQProposer(UniversalProposer):
     """Hands a q for string drafts, which were not sampled from any (uniform over the intersection):
     vLLM then accepts them far too often."""
 
+    def __init__(self, vllm_config) -> None:
+        super().__init__(vllm_config)
+        self._q_buffer.needed = True  # string drafting alone allocates no q buffer: this bug needs one
+
     def _hand_over(self, parts, batch, drafts) -> None:
         super()._hand_over(parts, batch, drafts)
         if batch is None and parts:
