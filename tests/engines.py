@@ -39,7 +39,8 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     if drafter is not None:
         # a folder without a GGUF stays on transformers, as before conversion existed (tests/test_hf_to_gguf.py
         # covers the conversion): these tests check the drafting machinery, not the drafter's format
-        pinned = {} if glob.glob(os.path.join(drafter, "*.gguf")) else {"drafter_runtime": "transformers"}
+        pinned = {} if glob.glob(os.path.join(drafter, "*.gguf")) or "drafter_gguf" in (usd or {}) else \
+            {"drafter_runtime": "transformers"}
         args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **{"adaptive_length": False, **pinned,
                                                                       **(usd or {})}))
     if proposer is not None:  # the engine's processes import it by name

@@ -16,7 +16,8 @@ def vllm_config(target: str, usd: dict | None, k: int = 3, max_num_seqs: int = 8
 
     vocab = AutoConfig.from_pretrained(target).vocab_size
     drafter = (usd or {}).get("drafter")
-    if drafter and os.path.isdir(drafter) and not glob.glob(os.path.join(drafter, "*.gguf")):
+    if drafter and os.path.isdir(drafter) and not glob.glob(os.path.join(drafter, "*.gguf")) \
+            and "drafter_gguf" not in usd:
         usd = {"drafter_runtime": "transformers", **usd}  # as tests/engines.py: no conversion here
     model_config = SimpleNamespace(tokenizer=target, tokenizer_revision=None, trust_remote_code=False,
                                    get_vocab_size=lambda: vocab, max_model_len=512)
