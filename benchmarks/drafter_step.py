@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             if threads:
                 torch.set_num_threads(threads)
             opened = open_drafter(drafter, choice, max_len=CONTEXT + 8, max_requests=max(args.batches),
-                                  kv_budget_bytes=1 << 31, threads=threads)
+                                  kv_budget_bytes=1 << 31,
+                                  cpus=frozenset(sorted(os.sched_getaffinity(0))[:threads]) if threads else None)
             runtime = opened.runtime
             runtime.set_output_rows(head_rows(opened.vocab_size))
             read = weight_bytes_read(runtime, fmt)

@@ -12,8 +12,7 @@ from vllm_usd.config import parse_usd_config
 def test_defaults_and_helper():
     cfg = parse_usd_config({"usd": {"drafter": "some/model"}})
     assert cfg.drafter == "some/model" and cfg.draft_sampling == "auto" and cfg.trust_remote_code is None
-    assert cfg.adaptive_length and cfg.draft_cost is None and cfg.probe_interval == 8
-    assert cfg.cost_calibration_steps == 48, "the policy's costs are measured on the engine by default"
+    assert cfg.adaptive_length and cfg.confidence_stop == 0.0
     args = vllm_usd.speculative_args(drafter="d", k=4, draft_sampling="greedy")
     assert args["speculative_config"] == {"method": "custom_class", "model": "vllm_usd.UniversalProposer",
                                           "num_speculative_tokens": 4}
@@ -34,12 +33,8 @@ def test_defaults_and_helper():
     ({"usd": {"drafter": "d", "drafter_kv_budget_gb": -1}}, r"drafter_kv_budget_gb must be in"),
     ({"usd": {"drafter": "d", "drafter_max_model_len": 0}}, r"drafter_max_model_len must be >= 1"),
     ({"usd": {"drafter": "d", "adaptive_length": "yes"}}, r"usd\.adaptive_length must be bool"),
-    ({"usd": {"drafter": "d", "draft_cost": -0.1}}, r"draft_cost must be in \[0, 100\] or null"),
-    ({"usd": {"drafter": "d", "verify_token_cost": -1}}, r"verify_token_cost must be in"),
-    ({"usd": {"drafter": "d", "compute_bound_tokens": 0.5}}, r"compute_bound_tokens must be >= 1"),
-    ({"usd": {"drafter": "d", "probe_interval": 0}}, r"probe_interval must be >= 1"),
-    ({"usd": {"drafter": "d", "cost_calibration_steps": -1}}, r"cost_calibration_steps must be >= 0 \(0: off\)"),
-    ({"usd": {"drafter": "d", "cost_calibration_steps": 1.5}}, r"cost_calibration_steps must be int"),
+    ({"usd": {"drafter": "d", "draft_cost": 0.1}}, r"draft_cost was removed: the draft-length controller measures"),
+    ({"usd": {"drafter": "d", "confidence_stop": 1.0}}, r"confidence_stop must be in \[0, 1\) \(0: off\)"),
     ({"usd": {"drafter": "d", "draft_mode": "slem"}}, r"draft_mode = 'slem'; choose one of auto, tli, string"),
     ({"usd": {"drafter": "d", "string_draft_tokens": 0}}, r"string_draft_tokens must be >= 1"),
 ])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
-from vllm_usd.drafting.drafter_timing import TIMING_BATCHES, DrafterTiming, time_drafter
+from vllm_usd.drafting.controller import interpolate
+from vllm_usd.drafting.drafter_timing import TIMING_BATCHES, time_drafter
 
 
 class CostedRuntime(DrafterRuntime):
@@ -45,55 +46,44 @@ class CostedRuntime(DrafterRuntime):
         return torch.zeros(len(req_ids), self.num_outputs)
 
 
-def test_the_shared_and_per_request_costs_are_recovered_and_the_requests_freed():
+def test_each_batch_size_is_timed_after_its_warm_up_and_the_requests_freed():
     runtime = CostedRuntime(f0=0.004, f1=0.0005)
-    timing = time_drafter(runtime, [5, 6, 7], clock=lambda: runtime.now)
-    assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0005)
-    assert timing.seconds(8) == pytest.approx(0.008)
+    points = time_drafter(runtime, [5, 6, 7], clock=lambda: runtime.now)
+    assert points == tuple((b, pytest.approx(0.004 + 0.0005 * b)) for b in TIMING_BATCHES), \
+        "the slow warm-up forward of each batch size is not what counts"
     assert runtime.num_requests == 0, "the throw-away requests are gone"
     assert sorted(set(runtime.batches)) == sorted(TIMING_BATCHES)
 
 
 def test_batch_sizes_the_runtime_cannot_hold_are_skipped():
     runtime = CostedRuntime(f0=0.004, f1=0.0005, max_requests=4)
-    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    points = time_drafter(runtime, [5], clock=lambda: runtime.now)
     assert max(runtime.batches) == 4 and runtime.num_requests == 0
-    assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0005)
-    one = CostedRuntime(f0=0.004, f1=0.0005, max_requests=1)
-    assert time_drafter(one, [5], clock=lambda: one.now) == DrafterTiming(
-        per_forward=pytest.approx(0.0045), per_request=0.0, points=((1, pytest.approx(0.0045)),))
-    assert time_drafter(CostedRuntime(0.004, 0.0005, max_requests=0), [5]) is None
-
-
-def test_a_cost_that_does_not_grow_with_the_batch_is_all_per_forward():
-    runtime = CostedRuntime(f0=0.004, f1=0.0)
-    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
-    assert timing.per_forward == pytest.approx(0.004) and timing.per_request == pytest.approx(0.0, abs=1e-12)
+    assert [b for b, _ in points] == [1, 2, 4]
+    assert time_drafter(CostedRuntime(0.004, 0.0005, max_requests=0), [5]) == ()
 
 
 def test_a_drafter_whose_cost_is_not_a_line_is_priced_at_each_timed_batch_size():
     """8 ms at batch 1, then 6 ms + 7 ms a request (llama.cpp's SmolLM2 on two cores measured 10-12 ms
-    at 1 and 22-26 ms at 2): the line through the timings prices batch 1 far too high, the timing
-    itself at what it measured, in between by interpolation, and past 16 at 16's cost per request."""
+    at 1 and 22-26 ms at 2): priced at what was measured, in between by interpolation, and past 16
+    at 16's cost per request."""
     def cost(batch: int) -> float:
         return 0.008 if batch == 1 else 0.006 + 0.007 * batch
 
     runtime = CostedRuntime(0.0, 0.0, cost=cost)
-    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    points = time_drafter(runtime, [5], clock=lambda: runtime.now)
     for batch in TIMING_BATCHES:
-        assert timing.seconds(batch) == pytest.approx(cost(batch))
-    assert timing.seconds(3) == pytest.approx((cost(2) + cost(4)) / 2)
-    assert timing.seconds(32) == pytest.approx(2 * cost(16))
-    line = timing.per_forward + timing.per_request
-    assert line > 1.2 * cost(1), "the line alone would overprice batch 1 (the case this exists for)"
+        assert interpolate(points, batch) == pytest.approx(cost(batch))
+    assert interpolate(points, 3) == pytest.approx((cost(2) + cost(4)) / 2)
+    assert interpolate(points, 32) == pytest.approx(2 * cost(16))
 
 
 def test_a_timing_never_gets_cheaper_as_the_batch_grows():
     """Noise made batch 4 time faster than batch 2: the batch-4 point is raised to batch 2's."""
     runtime = CostedRuntime(0.0, 0.0, cost=lambda b: {1: 0.010, 2: 0.030, 4: 0.025}.get(b, 0.01 * b))
-    timing = time_drafter(runtime, [5], clock=lambda: runtime.now)
-    times = [t for _, t in timing.points]
-    assert times == sorted(times) and timing.seconds(4) == pytest.approx(0.030)
+    points = time_drafter(runtime, [5], clock=lambda: runtime.now)
+    times = [t for _, t in points]
+    assert times == sorted(times) and interpolate(points, 4) == pytest.approx(0.030)
 
 
 def test_the_tiny_drafters_runtime_is_timed_and_left_as_it_was():
@@ -107,6 +97,6 @@ def test_the_tiny_drafters_runtime_is_timed_and_left_as_it_was():
     runtime = opened.runtime
     runtime.add("live")
     runtime.forward(["live"], [0], [[3, 4, 5]])
-    timing = time_drafter(runtime, list(range(10, 40)))
-    assert timing is not None and timing.seconds(1) > 0 and timing.seconds(8) >= timing.seconds(1)
+    points = dict(time_drafter(runtime, list(range(10, 40))))
+    assert sorted(points) == [1, 2, 4] and 0 < points[1] <= points[4], "8 do not fit beside the live request"
     assert runtime.num_requests == 1 and runtime.cached_tokens("live") == [3, 4, 5]

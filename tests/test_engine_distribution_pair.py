@@ -194,10 +194,11 @@ def test_no_q_is_lossless_but_accepts_less(pair, baseline, usd_k3):
     assert counts["acceptance_length"] < usd_k3["t1_counts"]["acceptance_length"], (counts, usd_k3["t1_counts"])
 
 
-# -- usd.adaptive_length on -----------------------------------------------------------------------
-# Costs under which the policy's lengths vary with acceptance on the tiny pair (a fixed-k drafter
-# pays at batch <= 32 here): k at batch 1, 1..3 at batch 32, where rows also drop out of drafting.
-ADAPTIVE = {"adaptive_length": True, "draft_cost": 0.003, "verify_token_cost": 0.01, "compute_bound_tokens": 1e6}
+# -- ragged drafts: the confidence stop on ---------------------------------------------------------
+# Each row's drafts end after the first the drafter gave under 30%: lengths 1..3 vary by row and
+# step (k each step, so that every step drafts; the controller's own choices change lengths only,
+# as the stop does).
+ADAPTIVE = {"confidence_stop": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,7 @@ def test_adaptive_greedy_equal(baseline, usd_adaptive):
         assert usd_adaptive["mixed"][i] == baseline["mixed"][i]
     counts, lengths = usd_adaptive["greedy_counts"], _lengths(usd_adaptive["greedy_stats"])
     assert counts["drafts"] > 0 and counts["accepted"] > 0, counts
-    assert len([n for n in range(1, 4) if lengths.get(n)]) >= 2, f"lengths did not vary: {lengths}"
+    assert counts["draft_tokens"] < 3 * counts["drafts"], f"no draft was cut: {counts}"
 
 
 def test_adaptive_counters_count_only_what_was_drafted(usd_adaptive):

@@ -272,10 +272,10 @@ def test_no_drafter_state_left_and_no_failed_steps(usd):
     assert stats["counters"].get("string_proposed", 0) > 0, "the greedy cases drafted text (draft_mode auto)"
 
 
-# -- usd.adaptive_length on: the same cases, lengths chosen per request and step ------------------
-# costs under which the lengths vary at these batch sizes (see test_engine_distribution_pair.ADAPTIVE)
-ADAPTIVE = {**USD, "adaptive_length": True, "draft_cost": 0.003, "verify_token_cost": 0.01,
-            "compute_bound_tokens": 1e6, "draft_mode": "tli"}
+# -- ragged drafts: the same cases, each row's drafts cut by the confidence stop --------------------
+# (k each step, so that every case drafts; the controller's own lengths: test_controller.py, and
+# test_tensor_parallel.py's engine)
+ADAPTIVE = {**USD, "confidence_stop": 0.3, "draft_mode": "tli"}
 
 
 @pytest.fixture(scope="module")

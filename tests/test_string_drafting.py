@@ -254,20 +254,6 @@ def test_digests_of_mixed_steps_catch_rank_local_randomness():
     assert len(rank0) == 4 and rank0 != rank1
 
 
-def test_a_row_that_proposes_nothing_counts_as_a_rejected_draft():
-    """The policy must learn that string drafting does not pay for a request that never proposes."""
-    p = _proposer(adaptive_length=True, draft_cost=0.001, compute_bound_tokens=100.0)
-    p.strings.draft = lambda rows, lengths: [[] for _ in lengths]
-    runner = FakeRunner()
-    runner.add("g1", _prompt(" the keeper"), sampling(0.0))
-    runner.add("g2", _prompt(" it was"), sampling(0.0))
-    drafts = runner.step(p, {})
-    assert drafts == {"g1": [], "g2": []}
-    before = p.policy.acceptance("g1")[0]
-    runner.step(p, {r: [5] for r in drafts})  # the step emitted one token each: nothing was accepted
-    assert p.policy.acceptance("g1")[0] < before
-
-
 def test_string_rows_leave_room_for_their_budget_in_the_drafters_context():
     """A request whose context has room for k drafts but not for the string budget gets no drafts,
     instead of failing the batched forward for every request."""
@@ -301,16 +287,3 @@ def test_text_rows_read_their_text_as_the_drafter_cuts_it_and_tli_rows_the_share
     runner.step(p, {})
     assert p.requests.get("g").translator.draft_ids == translated(prompt, True)
     assert p.requests.get("s").translator.draft_ids == translated(prompt, False)
-
-
-def test_the_policy_prices_a_string_row_one_forward_more_than_a_tli_row():
-    """auto mode: the greedy (string) rows' drafts take a drafter token past the last one they propose,
-    and are pooled as their own kind."""
-    p = _proposer(adaptive_length=True, draft_cost=0.001, compute_bound_tokens=100.0)
-    asked = []
-    real = p.policy.lengths
-    p.policy.lengths = lambda req_ids, batch, extra_forwards=0, kind="": asked.append(
-        (req_ids[0], extra_forwards, kind)) or real(req_ids, batch, extra_forwards, kind)
-    _runner().step(p, {})
-    assert sorted(asked) == [("g1", 1, "string"), ("g2", 1, "string"), ("s", 0, "tli")], asked
-    assert sorted(p.stats()["pooled_acceptance"]) == ["string", "tli"], "each kind's pool is reported"

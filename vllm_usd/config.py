@@ -37,23 +37,10 @@ class UsdConfig:
     pruned_head:           compute drafter logits only for shared tokens (same q, less work); draft_mode "tli" only.
     profile:               time the proposer's phases (see UniversalProposer.timings).
     debug_digests:         record a digest of each step's drafts and q (tensor-parallel checks).
-    adaptive_length:       choose each request's draft length 0..k every step (vllm_usd/drafting/length_policy.py);
-                           false: always k (num_speculative_tokens).
-    draft_cost:            the policy's cost of one drafter forward for one request, relative to a plain
-                           target step at batch 1; null (default): measured (cost_calibration_steps), or with
-                           cost_calibration_steps 0, 0.05 + 0.2 x drafter bytes / target bytes.
-    verify_token_cost:     the policy's extra cost of one more verified token, in the same unit, while
-                           the target is not compute-bound (default 0.045: 3 more tokens cost 1.13x).
-    compute_bound_tokens:  tokens per target step past which each one costs 1/compute_bound_tokens of a
-                           plain batch-1 step (default 5).
-    cost_calibration_steps: with draft_cost null, the policy's costs are measured on this engine: the
-                           drafter's forward at start-up (vllm_usd/drafting/drafter_timing.py), the target's
-                           step against its tokens over the first this many engine steps, and again after
-                           2x, 4x, ... as many (vllm_usd/drafting/cost_calibration.py). No request drafts
-                           before the first fit. Tensor-parallel ranks all take rank 0's costs (default 48;
-                           0: the configured costs throughout).
-    probe_interval:        requests left without drafts get one draft every this many steps (all in the
-                           same step), where drafting could pay at all (default 8).
+    adaptive_length:       each step, draft the length 0..k with the most measured tokens per second
+                           (vllm_usd/drafting/controller.py); false: always k (num_speculative_tokens).
+    confidence_stop:       a row stops drafting after a draft the drafter gave less than this probability
+                           (intersection drafting; 0: off). q is unchanged: the stop only shortens drafts.
     draft_mode:            "auto" (default): string-level drafting for greedy requests (their drafter context
                            is their text as the drafter's tokenizer cuts it), intersection
                            drafting with q (TLI) for sampled ones; "tli": TLI for all; "string": string-level
@@ -78,11 +65,7 @@ class UsdConfig:
     profile: bool = False
     debug_digests: bool = False
     adaptive_length: bool = True
-    draft_cost: float | None = None
-    verify_token_cost: float = 0.045
-    compute_bound_tokens: float = 5.0
-    cost_calibration_steps: int = 48
-    probe_interval: int = 8
+    confidence_stop: float = 0.0
     draft_mode: str = "auto"
     string_draft_tokens: int | None = None
 
@@ -105,14 +88,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "profile": (bool,),
     "debug_digests": (bool,),
     "adaptive_length": (bool,),
-    "draft_cost": (int, float, type(None)),
-    "verify_token_cost": (int, float),
-    "compute_bound_tokens": (int, float),
-    "cost_calibration_steps": (int,),
-    "probe_interval": (int,),
+    "confidence_stop": (int, float),
     "draft_mode": (str,),
     "string_draft_tokens": (int, type(None)),
 }
+_REMOVED = ("draft_cost", "verify_token_cost", "compute_bound_tokens", "cost_calibration_steps", "probe_interval")
 _CHOICES = {
     "drafter_runtime": ("auto", "transformers", "llama_cpp"),
     "drafter_gguf_type": ("auto", "file", "q4_0", "iq4_nl", "q4_1", "q4_k_m", "q8_0", "f16", "bf16"),
@@ -142,6 +122,9 @@ def parse_usd_config(additional_config: Any) -> UsdConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY} must be a JSON object, got {type(raw).__name__}.")
     for key in raw:
+        if key in _REMOVED:
+            raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.{key} was removed: the draft-length "
+                             "controller measures what drafting costs on this engine. Delete the key.")
         if key not in _TYPES:
             raise ValueError(f"vllm-usd: unknown key '{key}' in additional_config.{CONFIG_KEY}. Valid keys: {valid}.")
     if "drafter" not in raw or not raw["drafter"]:
@@ -171,16 +154,8 @@ def parse_usd_config(additional_config: Any) -> UsdConfig:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.drafter_kv_budget_gb must be in (0, 1024].")
     if not 0 <= cfg.min_intersection <= 1:
         raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.min_intersection must be in [0, 1].")
-    if cfg.draft_cost is not None and not 0 <= cfg.draft_cost <= 100:
-        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.draft_cost must be in [0, 100] or null.")
-    if not 0 <= cfg.verify_token_cost <= 100:
-        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.verify_token_cost must be in [0, 100].")
-    if not cfg.compute_bound_tokens >= 1:
-        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.compute_bound_tokens must be >= 1.")
-    if cfg.cost_calibration_steps < 0:
-        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.cost_calibration_steps must be >= 0 (0: off).")
-    if cfg.probe_interval < 1:
-        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.probe_interval must be >= 1.")
+    if not 0 <= cfg.confidence_stop < 1:
+        raise ValueError(f"vllm-usd: additional_config.{CONFIG_KEY}.confidence_stop must be in [0, 1) (0: off).")
     return cfg
 
 

@@ -51,19 +51,32 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def cpu_threads() -> int:
-    """The CPUs this process may run on (under TP each rank is pinned to its own)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+_startup_cpus: frozenset[int] | None = None  # this process's CPUs before vLLM bound its threads
+
+
+def remember_startup_cpus() -> None:
+    """Record the CPUs this process may run on, before vLLM's CPU worker binds the target's threads
+    (the plugin's ``register()`` runs first in every process)."""
+    global _startup_cpus
+    if _startup_cpus is None and hasattr(os, "sched_getaffinity"):
+        _startup_cpus = frozenset(os.sched_getaffinity(0))
+
+
+def drafter_cpus(tp_size: int = 1) -> frozenset[int]:
+    """The CPUs llama.cpp drafts on. Alone (no tensor parallelism) the target and the drafter take
+    turns, so while drafting the target's cores and those vLLM left idle are free: every CPU the
+    process had at start-up. Under tensor parallelism the ranks draft at once: each its own CPUs."""
+    if not hasattr(os, "sched_getaffinity"):  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
+    current = frozenset(os.sched_getaffinity(0))
+    return (_startup_cpus or current) if tp_size == 1 else current
 
 
 class LlamaCppDrafterRuntime(DrafterRuntime):
     """A GGUF drafter in llama.cpp, one KV stream per request."""
 
     def __init__(self, gguf_path: str, *, settings: NativeSettings, vocab_size: int, kv_bytes_per_token: int,
-                 max_len: int, max_requests: int, kv_budget_bytes: int, threads: int | None = None) -> None:
+                 max_len: int, max_requests: int, kv_budget_bytes: int, cpus: frozenset[int] | None = None) -> None:
         from vllm_usd.drafter.ggml_library import load_cpu_backend
 
         load_cpu_backend(settings.cpu_variant)
@@ -102,7 +115,8 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         self.max_len = min(per_seq, max_len)  # the cells per sequence may exceed a smaller configured cap
         self._max_requests = n_seq
         self._kv_bytes = n_seq * per_seq * kv_bytes_per_token
-        threads = threads or cpu_threads()
+        self.cpus = cpus or drafter_cpus()
+        threads = len(self.cpus)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_seq * per_seq
         cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
@@ -197,6 +211,18 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             self._decode(entries[start:start + BATCH_TOKENS], out)
         return out
 
+    def _on_drafter_cpus(self, call, *args):
+        """``call(*args)`` with this thread's affinity widened to the drafter's CPUs: llama.cpp's
+        threads start from this one and inherit its affinity (vLLM binds it to the target's cores)."""
+        saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else self.cpus
+        if saved == self.cpus:
+            return call(*args)
+        os.sched_setaffinity(0, self.cpus)
+        try:
+            return call(*args)
+        finally:
+            os.sched_setaffinity(0, saved)
+
     def _decode(self, chunk: list[tuple[int, int, int, int]], out: torch.Tensor) -> None:
         ll, batch = self._ll, self._batch
         n = len(chunk)
@@ -209,7 +235,7 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         for i, seq in enumerate(arr[:, 2].tolist()):
             seq_ids[i][0] = seq
         batch.n_tokens = n
-        rc = ll.llama_decode(self._ctx, batch)
+        rc = self._on_drafter_cpus(ll.llama_decode, self._ctx, batch)
         if rc != 0:
             raise RuntimeError(f"vllm-usd: llama_decode failed ({rc}) on {n} tokens")
         rows = arr[arr[:, 3] >= 0, 3]

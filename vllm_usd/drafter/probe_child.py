@@ -45,12 +45,12 @@ def probe(request: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    from vllm_usd.drafter.llama_cpp_runtime import LlamaCppDrafterRuntime, NativeSettings
+    from vllm_usd.drafter.llama_cpp_runtime import LlamaCppDrafterRuntime, NativeSettings, drafter_cpus
 
     settings = NativeSettings(**request["settings"])
     runtime = LlamaCppDrafterRuntime(request["gguf"], settings=settings, vocab_size=request["vocab_size"],
                                      kv_bytes_per_token=1, max_len=1024, max_requests=2, kv_budget_bytes=1 << 30,
-                                     threads=request["threads"])
+                                     cpus=frozenset(sorted(drafter_cpus())[:request["threads"]]))
     from vllm_usd.drafter import ggml_library
 
     _say(buffer_types=ggml_library.extra_buffer_types() if settings.extra_buffer_types else [])

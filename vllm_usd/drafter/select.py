@@ -189,33 +189,33 @@ def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int,
 
 def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests: int, kv_budget_bytes: int,
                  revision: str | None = None, trust_remote_code: bool = False,
-                 threads: int | None = None, cuda_graphs: bool = False,
+                 cpus: frozenset[int] | None = None, cuda_graphs: bool = False,
                  probe_on: Callable[[Callable[[], DrafterChoice]], DrafterChoice] = _run_here,
                  probe_timeout_s: float = 120.0, probe_child: str | None = None) -> OpenedDrafter:
     """Load the drafter as ``choice`` says and wrap it in its runtime.
 
-    ``threads``: llama.cpp's thread count (default: every CPU this process may run on); the
+    ``cpus``: the CPUs llama.cpp drafts on, a thread each (default: ``drafter_cpus()``); the
     transformers runtime uses torch's threads, which vLLM's worker sets.
     ``cuda_graphs``: on a CUDA device, replay the transformers drafter's one-token decode step
     from CUDA graphs captured per batch bucket (``decode_graphs.py``); elsewhere it has no effect.
     A llama.cpp choice not yet probed is probed first (``proven``), by ``probe_on``: in this
     process, or under tensor parallelism on rank 0 with the verdict sent to every rank.
     """
-    from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime, cpu_threads
+    from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime, drafter_cpus
 
     config, tokenizer = read_drafter(path, revision=revision, trust_remote_code=trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    threads = threads or cpu_threads()
+    cpus = cpus or drafter_cpus()
     if choice.runtime == "llama_cpp" and choice.native is None:
         unproven = choice
         choice = probe_on(lambda: proven(unproven, path, tokenizer=tokenizer, vocab_size=int(text_config.vocab_size),
-                                         threads=threads, timeout_s=probe_timeout_s, child=probe_child))
+                                         threads=len(cpus), timeout_s=probe_timeout_s, child=probe_child))
     if choice.runtime == "llama_cpp":
         vocab_size = int(text_config.vocab_size)
         runtime: DrafterRuntime = LlamaCppDrafterRuntime(
             choice.gguf, settings=choice.native, vocab_size=vocab_size,
             kv_bytes_per_token=kv_bytes_per_token(config, KV_BYTES_PER_ELEMENT), max_len=max_len,
-            max_requests=max_requests, kv_budget_bytes=kv_budget_bytes, threads=threads)
+            max_requests=max_requests, kv_budget_bytes=kv_budget_bytes, cpus=cpus)
         return OpenedDrafter(runtime, tokenizer, vocab_size, choice)
     from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
 

@@ -1,11 +1,11 @@
 """vLLM-free drafting over a DrafterRuntime: per-request state, the intersection
-strategy (TLI, with the exact q), the draft-length policy, phase timers and step digests."""
+strategy (TLI, with the exact q), the draft-length controller, phase timers and step digests."""
 
+from vllm_usd.drafting.controller import DraftLengthController, FixedLength, StartupTimings
 from vllm_usd.drafting.digests import StepDigests
-from vllm_usd.drafting.length_policy import DraftLengthPolicy, FixedLength, StepCostModel
 from vllm_usd.drafting.requests import DraftRows, RequestSampling, RequestTable
 from vllm_usd.drafting.timing import PhaseTimer
 from vllm_usd.drafting.tli import DraftBatch, IntersectionDrafting
 
-__all__ = ["DraftBatch", "DraftLengthPolicy", "DraftRows", "FixedLength", "IntersectionDrafting", "PhaseTimer",
-           "RequestSampling", "RequestTable", "StepCostModel", "StepDigests"]
+__all__ = ["DraftBatch", "DraftLengthController", "DraftRows", "FixedLength", "IntersectionDrafting", "PhaseTimer",
+           "RequestSampling", "RequestTable", "StartupTimings", "StepDigests"]

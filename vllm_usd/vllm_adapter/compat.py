@@ -163,10 +163,11 @@ def decode_step_tokens(scheduler_output) -> int | None:
     return int(sum(counts.values()))
 
 
-def step_verified_drafts(scheduler_output) -> bool:
-    """Whether the step that just ran verified any draft."""
-    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
-    return bool(spec) and any(len(ids) for ids in spec.values())
+def scheduled_drafts(scheduler_output, req_ids) -> list[int]:
+    """Per request of ``req_ids``: the drafts the step that just ran verified (vLLM may have
+    trimmed what it was handed, for its token budget or structured output)."""
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    return [len(spec.get(req_id, ())) for req_id in req_ids]
 
 
 def _tp_group():

@@ -120,7 +120,7 @@ def _default_runtime(on_cpu: bool | None) -> str | None:
 def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "auto",
                    runtime: str = "auto") -> dict[str, Any]:
     """How ``drafter`` runs on this host's CPU, as a worker would start it (the probe's cache included)."""
-    from vllm_usd.drafter.llama_cpp_runtime import cpu_threads
+    from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
     from vllm_usd.drafter.loading import read_drafter
     from vllm_usd.drafter.hf_to_gguf import ConversionError
     from vllm_usd.drafter.select import choose, probe_verdict
@@ -136,7 +136,7 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
     try:
         run_gguf, run_type, verdict, timed = probe_verdict(choice, drafter, tokenizer=tokenizer,
                                                            vocab_size=int(text_config.vocab_size),
-                                                           threads=cpu_threads())
+                                                           threads=len(drafter_cpus()))
     except ConversionError as exc:
         report.update(runtime="transformers", format="bfloat16", conversion=f"not converted for llama.cpp: {exc}",
                       kv_bytes_per_token=_kv_bytes_per_token(config, dataclasses.replace(

@@ -30,6 +30,9 @@ def register() -> None:
     _registered = True
     if envs.disabled():
         return
+    from vllm_usd.drafter.llama_cpp_runtime import remember_startup_cpus
+
+    remember_startup_cpus()  # before vLLM's CPU worker binds this process's threads
     try:
         from vllm_usd.vllm_adapter import compat, patches
 

@@ -21,17 +21,16 @@ from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_c
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.select import choose, open_drafter
-from vllm_usd.drafting import (DraftBatch, DraftLengthPolicy, DraftRows, FixedLength, IntersectionDrafting, PhaseTimer,
-                               RequestTable, StepCostModel, StepDigests)
-from vllm_usd.drafting.cost_calibration import CostCalibration
-from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, DrafterTiming, time_drafter
-from vllm_usd.drafting.length_policy import draft_cost_from_weights
+from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
+                               PhaseTimer, RequestTable, StartupTimings, StepDigests)
+from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
+from vllm_usd.vllm_adapter.target_timing import time_target, token_counts
 
 logger = logging.getLogger("vllm.usd")
 
@@ -87,16 +86,18 @@ class UniversalProposer:
                                      always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed,
                                      drafts_text=self._drafts_text if drafts_text else None)
         self.strategy = IntersectionDrafting(self.mapping, self.runtime, k=self.k,
-                                             pruned_head=cfg.pruned_head and not drafts_text, timer=self.timer)
+                                             pruned_head=cfg.pruned_head and not drafts_text, timer=self.timer,
+                                             confidence_stop=cfg.confidence_stop)
         self.strings = StringDrafting(
             self.mapping, TargetRetokenizer(target_tokenizer, self.mapping.target_table), self.runtime,
             budget=string_budget, timer=self.timer,
             counters=self.requests.counters,
         ) if drafts_text else None
-        self.policy = self._length_policy(target_bytes=0)
-        self._calibration: CostCalibration | None = None  # set up in load_model, with the drafter's timing
-        self.drafter_timing: DrafterTiming | None = None
-        self.costs_measured = False
+        self.vllm_config = vllm_config
+        # timed in load_model; until then (and without adaptive_length) the controller prices nothing
+        self.controller: DraftLengthController | FixedLength = (
+            DraftLengthController(self.k) if cfg.adaptive_length else FixedLength(self.k))
+        self._length = 0  # the length the current step's rows got (the next cycle's key)
         self.rank = compat.tp_rank()
         self.failures = FailureCounts(self.rank)
         self._digests = StepDigests()
@@ -122,57 +123,45 @@ class UniversalProposer:
         target = compat.target_max_model_len(vllm_config)
         return self.config.drafter_max_model_len or (2 * target + self.k if target else 1 << 30)
 
-    @property
-    def _measures_costs(self) -> bool:
-        """usd.cost_calibration_steps with draft_cost null: the policy's costs are measured on this engine."""
-        cfg = self.config
-        return cfg.adaptive_length and cfg.draft_cost is None and cfg.cost_calibration_steps > 0
-
-    def _length_policy(self, target_bytes: int) -> DraftLengthPolicy | FixedLength:
-        """usd.adaptive_length: the draft-length policy, its costs from the settings and the weights' sizes
-        (to be measured, where ``_measures_costs``: until then it drafts nothing)."""
-        cfg = self.config
-        if not cfg.adaptive_length:
-            return FixedLength(self.k)
-        draft_cost = cfg.draft_cost
-        if draft_cost is None:
-            draft_cost = draft_cost_from_weights(self.runtime.param_bytes, target_bytes)
-        costs = StepCostModel(draft_cost=float(draft_cost), verify_token_cost=float(cfg.verify_token_cost),
-                              compute_bound_tokens=float(cfg.compute_bound_tokens))
-        return DraftLengthPolicy(self.k, costs, probe_interval=cfg.probe_interval, counters=self.requests.counters,
-                                 costs_pending=self._measures_costs)
-
-    def _time_drafter(self) -> DrafterTiming | None:
-        """The drafter's forward cost, timed on the tensor-parallel group's rank 0 and taken by every rank."""
-        def timed() -> DrafterTiming | None:
+    def _startup_timings(self, target_model: Any) -> StartupTimings:
+        """The drafter timed on rank 0, the target on every rank (its collectives must meet); rank 0's
+        figures taken by every rank."""
+        def drafter_points() -> tuple[tuple[int, float], ...]:
             ids = self.mapping.draft_ids.tolist()
             middle = len(ids) // 2  # ordinary tokens (the lowest ids are often specials and bytes)
             try:
                 return time_drafter(self.runtime, ids[middle:middle + CONTEXT_TOKENS] or ids)
-            except Exception as exc:  # noqa: BLE001 - the configured drafting costs stay
-                logger.warning("vllm-usd: timing the drafter failed (%s); the policy prices it from the "
-                               "weights' sizes", exc)
-                return None
+            except Exception as exc:  # noqa: BLE001 - the controller then measures while serving only
+                logger.warning("vllm-usd: timing the drafter failed (%s); drafts are priced as measured", exc)
+                return ()
 
-        return compat.computed_on_tp_rank0(timed)
+        drafter = compat.computed_on_tp_rank0(drafter_points)
+        try:
+            target = time_target(target_model, self.vllm_config,
+                                 token_counts(compat.max_num_seqs(self.vllm_config) * (1 + self.k)))
+        except Exception as exc:  # noqa: BLE001 - the same on every rank: vLLM's forward context refused
+            logger.warning("vllm-usd: timing the target at start-up failed (%s); steps are priced as measured", exc)
+            target = ()
+        return StartupTimings(target=compat.tp_broadcast_from_rank0(target), drafter=drafter)
 
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
         """vLLM calls this after loading the target, before it sizes its KV cache: the drafter's memory
-        is allocated here in full (``drafter_memory.py``).
-
-        The policy's drafter cost follows the weights' sizes: this rank's target shard, which
-        tensor parallelism makes the same size on every rank.
-        """
+        is allocated here in full (``drafter_memory.py``), and the target and drafter are timed for
+        the draft-length controller."""
         logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer))
-        if self.config.adaptive_length and self.config.draft_cost is None:
-            self.policy = self._length_policy(compat.module_param_bytes(target_model))
-        if self._measures_costs:
-            self.drafter_timing = self._time_drafter()
-            self._calibration = CostCalibration(self.policy.costs, self.config.cost_calibration_steps,
-                                                drafter=self.drafter_timing)
-            logger.info("vllm-usd: drafter forward timed at start-up: %s; no drafts until the target's step "
-                        "is measured (%d steps)", self.drafter_timing, self.config.cost_calibration_steps)
+        if not self.config.adaptive_length:
+            return
+        timings = self._startup_timings(target_model)
+        self.controller = DraftLengthController(self.k, timings)
+        ms = [f"{n}: {t * 1e3:.1f}" for n, t in timings.drafter[:1]] or ["not timed"]
+        logger.info("vllm-usd: drafter %s (%s) step at batch %s ms; a cycle at batch 1 costs %s ms without "
+                    "drafts and %s ms with %d (start-up timing). Expected at acceptance %s until measured:\n  %s",
+                    self.choice.runtime, self.choice.dtype, ms[0],
+                    *(f"{timings.estimate(1, n) * 1e3:.1f}" if timings.target else "?" for n in (0, self.k)),
+                    self.k, "/".join(f"{a:.2f}" for a in self.controller.acceptance.rates()),
+                    "\n  ".join(self.controller.summary([1 << b for b in range(
+                        compat.max_num_seqs(self.vllm_config).bit_length())])))
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
         self._runner = runner
@@ -209,13 +198,8 @@ class UniversalProposer:
             "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
             "failures": dict(self.failures.by_reason),
             "native_settings": dataclasses.asdict(self.choice.native) if self.choice.native else None,
-            "draft_cost": getattr(getattr(self.policy, "costs", None), "draft_cost", None),
-            "costs": dataclasses.asdict(self.policy.costs) if hasattr(self.policy, "costs") else None,
-            "costs_measured": self.costs_measured,
-            "drafter_timing": dataclasses.asdict(self.drafter_timing) if self.drafter_timing else None,
-            "slower_buckets": sorted(getattr(self.policy, "slower_buckets", ())),
-            "pooled_acceptance": self.policy.pooled_acceptance() if hasattr(self.policy, "pooled_acceptance") else None,
-            "step_rates": self._calibration.rates.rates() if self._calibration is not None else None,
+            "controller": self.controller.state(),
+            "controller_summary": self.controller.summary(),
         }
 
     # -- one step ------------------------------------------------------------------------------
@@ -233,14 +217,14 @@ class UniversalProposer:
         started = time.perf_counter()
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
-        if self._calibration is not None:
-            self._calibrate(started, sampled_token_ids)
+        batch = num_rows - sampled_token_ids.count([])  # decoding rows
+        length = self._choose_length(started, sampled_token_ids, batch)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         parts, qs, failure = [], None, None
         try:
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
-            rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, num_rows)
+            rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, length)
             if len(rows):
                 parts, batch = self._draft(rows, lengths)
                 qs = self._hand_over(parts, batch, drafts)
@@ -252,84 +236,41 @@ class UniversalProposer:
         elif parts:
             self._record(parts, qs)
         self.failures.check_graph_capture(self.runtime)
-        if self.config.profile or self._calibration is not None:
-            self._last_end = time.perf_counter()
-            self.timer.add("propose_total", self._last_end - started)
+        self._last_end = time.perf_counter()
+        self.timer.add("propose_total", self._last_end - started)
         return drafts
 
-    def _calibrate(self, started: float, sampled_token_ids: list[list[int]]) -> None:
-        """Record the target's step that just ran, and the whole cycle (the drafting that fed it
-        too); where a fit is due, every rank takes rank 0's (vLLM calls every rank's propose at every
-        step, so every rank reaches the broadcast alike)."""
-        calibration = self._calibration
-        tokens = compat.decode_step_tokens(self._scheduler_output)
-        if tokens is not None and self._last_end is not None and self._last_start is not None:
-            calibration.record_step(tokens, started - self._last_end)
-            calibration.record_cycle(sum(1 for s in sampled_token_ids if s),
-                                     compat.step_verified_drafts(self._scheduler_output),
-                                     sum(len(s) for s in sampled_token_ids), started - self._last_start)
+    def _choose_length(self, started: float, sampled_token_ids: list[list[int]], batch: int) -> int:
+        """Tell the controller what the step that just ran did (the cycle it closed, its acceptance),
+        take rank 0's measured costs where due, and return this step's length. Every rank calls this at
+        every step (the share is a collective), and chooses alike."""
+        so, controller = self._scheduler_output, self.controller
+        if self._last_start is not None and compat.decode_step_tokens(so) is not None:
+            controller.record_cycle(batch, self._length, started - self._last_start)
         self._last_start = started
-        if not calibration.count_step():
-            return
-        try:  # every rank fits its own timings ...
-            rates = calibration.rates
-            fitted = (calibration.fit(), rates.slower_buckets(), rates.unmeasured_plain_buckets())
-        except Exception as exc:  # noqa: BLE001 - the costs in use stay
-            logger.warning("vllm-usd: fitting the draft-length costs failed (%s)", exc)
-            fitted = (None, frozenset(), frozenset())
-        try:  # ... and every rank calls the broadcast, which keeps the tensor-parallel group's rank 0's
-            measured, slower, unmeasured_plain = compat.tp_broadcast_from_rank0(fitted)
-        except Exception as exc:  # noqa: BLE001 - the costs in use stay
-            logger.warning("vllm-usd: sharing the measured draft-length costs failed (%s)", exc)
-            return
-        if measured is None:
-            logger.info("vllm-usd: after %d steps, too few decode steps were timed to measure the draft-length "
-                        "costs; trying again later", calibration.seen)
-            return
-        if slower != self.policy.slower_buckets:
-            logger.info("vllm-usd: drafting measured slower than no drafting at batch sizes %s (tokens/s: %s)",
-                        ", ".join(f"{1 << b}-{(2 << b) - 1}" for b in sorted(slower)) or "none",
-                        calibration.rates.rates())
-        log = logger.debug if self.costs_measured else logger.info
-        self.policy.costs, self.policy.costs_pending, self.costs_measured = measured, False, True
-        self.policy.slower_buckets, self.policy.unmeasured_plain_buckets = slower, unmeasured_plain
-        log("vllm-usd: draft-length costs measured after %d steps: %s", calibration.seen, measured)
+        if self._runner is not None:
+            controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)), sampled_token_ids)
+        controller.share(compat.tp_broadcast_from_rank0)
+        self._length = controller.length(batch) if batch else 0
+        return self._length
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
-                       token_ids: np.ndarray, batch: int) -> tuple[DraftRows, list[int]]:
-        """Forget requests vLLM dropped; choose each row's length; bring the drafted rows' contexts
-        up to date. Returns those rows, longest first, and their lengths."""
+                       token_ids: np.ndarray, length: int) -> tuple[DraftRows, list[int]]:
+        """Forget requests vLLM dropped; bring the rows that draft ``length`` (0: none) up to date.
+        Returns those rows, longest first, and their lengths."""
         runner = self._runner
         for req_id in compat.scheduler_gone_req_ids(self._scheduler_output):
             self.requests.forget(req_id)
-        live = compat.runner_live_req_ids(runner)
-        self.requests.keep_only(live)
-        self.policy.forget_all_but(live)
-        req_ids = compat.runner_req_ids(runner)
-        self.policy.observe(req_ids, sampled_token_ids)
-        if not self.policy.may_draft(batch):  # no length pays at this batch size: every row at 0, no work
+        self.requests.keep_only(compat.runner_live_req_ids(runner))
+        if length == 0:  # no length pays at this batch size: no per-row work
             self.counters["length_0"] += sum(1 for s in sampled_token_ids if s)
-            self.counters["no_length_pays_steps"] += 1
             return DraftRows(), []
         with self.timer.phase("translate"):
-            rows, lengths = self.requests.collect(req_ids, sampled_token_ids, num_tokens, token_ids,
-                                                  lambda req_id: compat.request_sampling(runner, req_id),
-                                                  self._length_of(batch))
-        for n in lengths:  # the drafted rows (a row whose context turned out not to be draftable is not one)
-            self.counters[f"length_{n}"] += 1
+            rows, lengths = self.requests.collect(compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
+                                                  token_ids, lambda req_id: compat.request_sampling(runner, req_id),
+                                                  lambda req_id, state: length)
+        self.counters[f"length_{length}"] += len(lengths)
         return rows.longest_first(lengths)
-
-    def _length_of(self, batch: int):
-        """The policy's length for one row (0..k); rows at 0 are left out of the step before any work."""
-        def length_of(req_id: str, state) -> int:
-            # a string row drafts one token past its last proposed one (held back: more text could grow it)
-            text = self._drafts_text(state.temperature)
-            n = self.policy.lengths([req_id], batch, int(text), "string" if text else "tli")[0]
-            if n == 0:
-                self.counters["length_0"] += 1
-            return n
-
-        return length_of
 
     def _draft_salt(self) -> int:
         """Mixed into every unseeded draw: equal on every rank (usd.seed)."""
@@ -378,10 +319,6 @@ class UniversalProposer:
 
     def _record(self, parts: list[tuple[DraftRows, list[list[int]]]], qs: list[torch.Tensor] | None) -> None:
         """Once every rank kept the step's drafts: the policy's, the digests' and the counters' record of them."""
-        for part_rows, target in parts:
-            # a string row that proposed nothing (TLI rows never do) counts to the policy as one rejected
-            # draft: it cost drafter forwards, and the policy must see that drafting does not pay for it
-            self.policy.drafted(part_rows.req_ids, [max(len(ids), 1) for ids in target])
         if self.config.debug_digests:
             self._digests.record([r for p, _ in parts for r in p.rows], [r for p, _ in parts for r in p.req_ids],
                                  [ids for _, t in parts for ids in t], qs)

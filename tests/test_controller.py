@@ -1,0 +1,147 @@
+"""The draft-length controller (vllm_usd/drafting/controller.py), alone: what it counts, what it
+chooses, what exploring costs, and that ranks choose alike. Expected choices are worked out here
+from the stated rule (most expected tokens per second), not read from the code."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_usd.drafting.controller import (ACCEPTANCE_MEMORY, EXPLORE_EVERY, SHARE_EVERY, DraftLengthController,
+                                          StartupTimings, bucket)
+
+# target: 100 ms up to 4 tokens, 200 ms at 8 and more per token past it; drafter 10 ms at batch 1
+TIMINGS = StartupTimings(target=((1, 0.100), (4, 0.100), (8, 0.200)), drafter=((1, 0.010), (2, 0.020)))
+
+
+def _accepting(rounds: int, k: int = 3, timings: StartupTimings = TIMINGS) -> DraftLengthController:
+    """A controller that saw ``rounds`` x 125 rows of 3 verified drafts, 1 in 5 rejected at each position:
+    25 rejected at the first, 20 of the 100 left at the second, 16 of 80 at the third."""
+    c = DraftLengthController(k, timings)
+    outcomes = [accepted for accepted, rows in ((0, 25), (1, 20), (2, 16), (3, 64)) for _ in range(rows)]
+    for r in range(rounds):
+        random.Random(r).shuffle(outcomes)  # interleaved: the counts fade, the order must not matter
+        for accepted in outcomes:
+            c.observe([3], [[0] * (accepted + 1)])
+    return c
+
+
+def _choose(c: DraftLengthController, batch: int, steps: int = 1) -> list[int]:
+    return [c.length(batch) for _ in range(steps)]
+
+
+def test_acceptance_counts_the_drafts_vllm_scheduled_not_those_handed_over():
+    c = DraftLengthController(3)
+    prior = c.acceptance.rates()
+    c.observe([1, 0], [[7, 8], [9]])  # row 0: 3 drafts handed over, vLLM verified 1 (accepted); row 1: none
+    rates = c.acceptance.rates()
+    assert rates[0] > prior[0] and rates[1:] == prior[1:], "positions 2 and 3 were never verified"
+    c.observe([3], [[7]])  # 3 verified, the first rejected
+    assert c.acceptance.offered[0] == pytest.approx(prior_offered := 2.0 + 2) and c.acceptance.accepted[0] == 2.0, \
+        prior_offered
+    assert c.acceptance.offered[1] == pytest.approx(2.0), "position 1 was not reached"
+
+
+def test_acceptance_forgets_old_drafts():
+    c = DraftLengthController(1)
+    for _ in range(4 * ACCEPTANCE_MEMORY):
+        c.observe([1], [[1, 2]])
+    assert c.acceptance.rates()[0] > 0.99
+    for _ in range(2 * ACCEPTANCE_MEMORY):
+        c.observe([1], [[1]])
+    assert c.acceptance.rates()[0] < 0.2, "the recent rejections dominate"
+
+
+def test_the_length_with_most_expected_tokens_per_second_is_chosen():
+    c = _accepting(4)
+    a = c.acceptance.rates()
+    assert a == pytest.approx([0.8] * 3, abs=0.03), "what _accepting set up (the counts fade)"
+
+    def tokens(n: int) -> float:
+        return 1 + sum(a[0] * a[1] if i == 2 else a[0] * a[1] * a[2] if i == 3 else a[0] for i in range(1, n + 1))
+
+    # batch 1, by hand: up to 4 tokens verified cost 0.100 s, plus 10 ms a drafted position
+    rates = [tokens(n) / (0.100 + 0.010 * n) for n in range(4)]
+    assert _choose(c, 1) == [rates.index(max(rates))] == [3]
+    # batch 4: 4 tokens at L=0 (100 ms), 8 at L=1 (200 ms), 12 at L=2 (300 ms): drafting never pays
+    assert _choose(c, 4) == [0]
+    slow = _accepting(4, timings=StartupTimings(target=TIMINGS.target, drafter=((1, 0.060),)))
+    by_hand = [tokens(n) / (0.100 + 0.060 * n) for n in range(4)]
+    assert _choose(slow, 1) == [by_hand.index(max(by_hand))] == [1], "a slow drafter: a short draft"
+
+
+def test_measured_cycles_correct_the_estimate_and_unmeasured_lengths_take_their_buckets_scale():
+    c = _accepting(4)
+    for _ in range(8):
+        c.record_cycle(1, 3, 3 * TIMINGS.estimate(1, 3))  # drafting 3 measured 3x the estimate
+    for _ in range(SHARE_EVERY):
+        c.share(lambda local: local)
+    assert c.cost(1, 3) == pytest.approx(3 * TIMINGS.estimate(1, 3))
+    assert c.cost(1, 0) == pytest.approx(3 * TIMINGS.estimate(1, 0)), "the bucket's scale, where not measured"
+    assert c.length(1) == 3, "every length is 3x: the order is unchanged"
+    for _ in range(8):
+        c.record_cycle(1, 0, TIMINGS.estimate(1, 0))  # plain steps measured as estimated
+    for _ in range(SHARE_EVERY):
+        c.share(lambda local: local)
+    scale = {0: 1.0, 1: 2.0, 2: 2.0, 3: 3.0}  # lengths 1 and 2: the median of their bucket's (1 and 3)
+    for n in range(4):
+        assert c.cost(1, n) == pytest.approx(scale[n] * TIMINGS.estimate(1, n)), n
+    a = c.acceptance.rates()
+    expected = [(1 + sum(a[0] if i == 1 else a[0] * a[1] if i == 2 else a[0] * a[1] * a[2]
+                         for i in range(1, n + 1))) / (scale[n] * TIMINGS.estimate(1, n)) for n in range(4)]
+    assert c.length(1) == max(range(4), key=lambda n: expected[n]) != 3, expected
+
+
+def test_exploring_costs_one_step_in_explore_every_and_measures_the_least_measured_length_first():
+    c = _accepting(4)
+    for _ in range(8):
+        c.record_cycle(1, 3, TIMINGS.estimate(1, 3))
+    for _ in range(SHARE_EVERY):
+        c.share(lambda local: local)
+    steps, chosen = 10 * EXPLORE_EVERY, []
+    for _ in range(steps):  # as served: each step's cycle is measured, and shared every SHARE_EVERY
+        chosen.append(c.length(1))
+        c.record_cycle(1, chosen[-1], TIMINGS.estimate(1, chosen[-1]))
+        c.share(lambda local: local)
+    others = [n for n in chosen if n != 3]
+    assert len(others) == steps // EXPLORE_EVERY, "one step in EXPLORE_EVERY, no more"
+    assert others[:4] == [0, 1, 2, 0], "never-measured lengths first, the shorter first"
+    assert all(chosen[i] != 3 for i in range(EXPLORE_EVERY - 1, steps, EXPLORE_EVERY))
+    assert _choose(c, 8, 1) == [0] and bucket(8) not in (bucket(1),), "buckets count their own steps"
+
+
+def test_every_rank_chooses_with_rank_0s_costs():
+    """Rank 1's clock measured drafting 10x slower; the share hands every rank rank 0's table."""
+    rank0, rank1 = _accepting(4), _accepting(4)
+    sent: list[object] = []
+    for step in range(4 * SHARE_EVERY):
+        rank0.record_cycle(1, 3, TIMINGS.estimate(1, 3))
+        rank1.record_cycle(1, 3, 10 * TIMINGS.estimate(1, 3))
+        rank0.share(lambda local: sent.append(local) or local)
+        rank1.share(lambda local: sent[-1])
+    assert len(sent) == 4
+    assert _choose(rank0, 1, 40) == _choose(rank1, 1, 40)
+    own = _accepting(4)
+    for _ in range(SHARE_EVERY):
+        own.record_cycle(1, 3, 10 * TIMINGS.estimate(1, 3))
+        own.share(lambda local: local)
+    assert own.length(1) != rank1.length(1) or own.cost(1, 3) != rank1.cost(1, 3), \
+        "power: rank 1's own table would have priced drafting differently"
+
+
+def test_without_startup_timings_every_length_starts_at_one_cost_and_measurement_decides():
+    c = _accepting(4, timings=StartupTimings())
+    assert c.length(1) == 3, "the same cost everywhere: the most expected tokens"
+    for n, seconds in ((3, 0.5), (0, 0.1)):
+        for _ in range(4):
+            c.record_cycle(1, n, seconds)
+    for _ in range(SHARE_EVERY):
+        c.share(lambda local: local)
+    assert c.length(1) == 0, "measured: 2.95 tokens in 0.5 s lose to 1 token in 0.1 s"
+
+
+def test_the_summary_says_why_at_each_batch_size():
+    lines = _accepting(4).summary([1, 2, 4, 8])
+    assert len(lines) == 4 and lines[0].startswith("batch 1: drafts 3") and lines[2].startswith("batch 4-7: no drafts")
+    assert all("start-up estimate" in line for line in lines)

@@ -1,0 +1,212 @@
+"""The draft-length controller: each step, the length (0..k) with the most measured tokens per second.
+
+Two things are kept, both from what the engine did:
+
+* **acceptance per draft position**, over all requests: of the drafts vLLM scheduled for
+  verification at position j (all before it accepted), the share accepted. A request
+  emitting ``a + 1`` tokens after ``n`` scheduled drafts had positions ``0..min(a, n - 1)``
+  offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget, structured output)
+  were never offered. The counts start at 1 accepted of 2 offered and fade so that about
+  the last ``ACCEPTANCE_MEMORY`` drafts at a position count.
+* **the cost of an engine cycle** (one propose, the drafting it did, and the target step
+  that verified it: start of one propose to the start of the next) for each batch-size
+  bucket (1, 2-3, 4-7, ...) and length: the start-up estimate (the target's forward timed
+  at the cycle's token count, plus the drafter's forwards timed at that batch) times how far
+  such estimates were off, measured: the median of measured/estimated over the cell's last
+  ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over every
+  bucket's. Only cycles in which every request decoded are measured: a prefill costs by its
+  prompt.
+
+A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
+``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
+the plain step's cost). Ties go to the shorter length. Every ``EXPLORE_EVERY``-th step of a
+bucket takes, instead, the other length with the fewest measured cycles (the shorter on a
+tie), so a length that looked worse is measured again: exploration costs at most one step in
+``EXPLORE_EVERY`` at a length that was not the best.
+
+Tensor parallelism: acceptance comes from the tokens every rank samples alike, and the step
+counts are alike; the cycle costs are rank 0's, broadcast every ``SHARE_EVERY`` steps (and the
+start-up timings once), so every rank chooses the same length.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+ACCEPTANCE_MEMORY = 256  # drafts per position whose outcome counts (older ones fade)
+ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any draft was verified
+CYCLES_KEPT = 16  # the latest measured cycles per (bucket, length)
+EXPLORE_EVERY = 16  # one step in this many (per bucket) measures another length
+SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (0, 1, 2, 3, ...)."""
+    return max(int(batch), 1).bit_length() - 1
+
+
+def bucket_label(b: int) -> str:
+    return "1" if b == 0 else f"{1 << b}-{(2 << b) - 1}"
+
+
+def interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
+    """A time measured at some sizes (``points``, increasing), read at ``x``: linear between two,
+    the smallest's below them, and past the largest proportional to ``x`` (never assumed cheaper)."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, t0), (x1, t1) in zip(points, points[1:]):
+        if x <= x1:
+            return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+    last_x, last = points[-1]
+    return last * x / last_x
+
+
+@dataclass(frozen=True)
+class StartupTimings:
+    """Seconds measured before serving: the target's forward at token counts, a one-token drafter
+    forward at batch sizes. Either may be empty (not timed): then it prices nothing."""
+
+    target: tuple[tuple[int, float], ...] = ()
+    drafter: tuple[tuple[int, float], ...] = ()
+
+    def estimate(self, batch: int, length: int) -> float:
+        """A cycle of ``batch`` rows drafting ``length`` each; 1.0 where nothing was timed."""
+        target = interpolate(self.target, batch * (1 + length)) if self.target else 1.0
+        drafter = interpolate(self.drafter, batch) if self.drafter and self.target else 0.0
+        return target + length * drafter
+
+
+class _Acceptance:
+    def __init__(self, k: int) -> None:
+        self.accepted = [ACCEPTANCE_PRIOR[0]] * k
+        self.offered = [ACCEPTANCE_PRIOR[1]] * k
+
+    def add(self, scheduled: int, num_accepted: int) -> None:
+        for j in range(min(num_accepted + 1, scheduled)):
+            if self.offered[j] >= ACCEPTANCE_MEMORY:
+                fade = (ACCEPTANCE_MEMORY - 1) / ACCEPTANCE_MEMORY
+                self.offered[j] *= fade
+                self.accepted[j] *= fade
+            self.offered[j] += 1.0
+            self.accepted[j] += float(j < num_accepted)
+
+    def rates(self) -> list[float]:
+        return [a / o for a, o in zip(self.accepted, self.offered)]
+
+
+class DraftLengthController:
+    """Chooses each step's draft length from measured acceptance and measured cycle costs."""
+
+    def __init__(self, k: int, timings: StartupTimings | None = None) -> None:
+        self.k = k
+        self.timings = timings or StartupTimings()
+        self.acceptance = _Acceptance(k)
+        self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
+        self.shared: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, length) -> (median ratio, cycles)
+        self._decisions: dict[int, int] = defaultdict(int)  # bucket -> steps decided
+        self.current: dict[int, int] = {}  # bucket -> the length its last step got
+        self._steps = 0
+
+    # -- what the engine did ---------------------------------------------------------------------
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]]) -> None:
+        """Row i had ``scheduled[i]`` drafts verified and emitted ``sampled[i]``."""
+        for n, tokens in zip(scheduled, sampled):
+            if n and tokens:
+                self.acceptance.add(n, min(len(tokens) - 1, n))
+
+    def record_cycle(self, batch: int, length: int, seconds: float) -> None:
+        """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock)."""
+        if batch > 0 and seconds > 0:
+            self._ratios[(bucket(batch), length)].append(seconds / self.timings.estimate(batch, length))
+
+    def share(self, broadcast: Callable[[object], object]) -> None:
+        """Every ``SHARE_EVERY`` calls (one per step, on every rank): take rank 0's measured costs."""
+        self._steps += 1
+        if self._steps % SHARE_EVERY == 0:
+            local = {cell: (statistics.median(r), len(r)) for cell, r in self._ratios.items() if r}
+            self.shared = broadcast(local)
+
+    # -- this step ---------------------------------------------------------------------------------
+    def expected_tokens(self, length: int) -> float:
+        total, reach = 1.0, 1.0
+        for rate in self.acceptance.rates()[:length]:
+            reach *= rate
+            total += reach
+        return total
+
+    def cost(self, batch: int, length: int) -> float:
+        """Seconds of a cycle: the start-up estimate, scaled as measured (see the module's docstring)."""
+        b = bucket(batch)
+        cell = self.shared.get((b, length))
+        if cell is None:
+            same_bucket = [r for (cb, _), (r, _) in self.shared.items() if cb == b]
+            cell = (statistics.median(same_bucket or [r for r, _ in self.shared.values()] or [1.0]), 0)
+        return self.timings.estimate(batch, length) * cell[0]
+
+    def rates(self, batch: int) -> list[float]:
+        """Expected tokens per second per row at each length 0..k."""
+        return [self.expected_tokens(n) / self.cost(batch, n) for n in range(self.k + 1)]
+
+    def length(self, batch: int) -> int:
+        """This step's length for every row of a ``batch``-row step."""
+        b = bucket(batch)
+        rates = self.rates(batch)
+        best = max(range(self.k + 1), key=lambda n: (rates[n], -n))
+        self._decisions[b] += 1
+        if self._decisions[b] % EXPLORE_EVERY == 0:
+            others = [n for n in range(self.k + 1) if n != best]
+            best = min(others, key=lambda n: (self.shared.get((b, n), (0.0, 0))[1], n))
+        self.current[b] = best
+        return best
+
+    # -- for stats, logs and doctor ---------------------------------------------------------------
+    def summary(self, batches: Sequence[int] | None = None) -> list[str]:
+        """One line per batch-size bucket: the length chosen, and the expected tokens/s behind it."""
+        lines = []
+        for b in sorted(set(bucket(x) for x in batches)) if batches else sorted(self.current):
+            batch = 1 << b
+            rates = self.rates(batch)
+            best = max(range(self.k + 1), key=lambda n: (rates[n], -n))
+            measured = "measured" if any(cb == b for cb, _ in self.shared) else "start-up estimate"
+            verdict = (f"drafts {best} ({rates[best] * batch:.1f} tok/s vs {rates[0] * batch:.1f} without, "
+                       f"{rates[best] / rates[0]:.2f}x)" if best else
+                       f"no drafts ({rates[0] * batch:.1f} tok/s; the best length, "
+                       f"{max(range(1, self.k + 1), key=lambda n: rates[n])}, would be "
+                       f"{max(rates[1:]) / rates[0]:.2f}x)")
+            lines.append(f"batch {bucket_label(b)}: {verdict}, {measured}, acceptance "
+                         + "/".join(f"{a:.2f}" for a in self.acceptance.rates()))
+        return lines
+
+    def state(self) -> dict[str, object]:
+        return {"lengths": {bucket_label(b): n for b, n in sorted(self.current.items())},
+                "acceptance": [round(a, 4) for a in self.acceptance.rates()],
+                "cost_scale": {f"{bucket_label(b)}/{n}": round(r, 4) for (b, n), (r, _) in sorted(self.shared.items())},
+                "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter)}}
+
+
+class FixedLength:
+    """``adaptive_length: false``: every step drafts k."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]]) -> None:
+        pass
+
+    def record_cycle(self, batch: int, length: int, seconds: float) -> None:
+        pass
+
+    def share(self, broadcast: Callable[[object], object]) -> None:
+        pass
+
+    def length(self, batch: int) -> int:
+        return self.k
+
+    def summary(self, batches: Sequence[int] | None = None) -> list[str]:
+        return [f"every batch size: drafts {self.k} (adaptive_length false)"]
+
+    def state(self) -> dict[str, object]:
+        return {"lengths": {"all": self.k}}

@@ -1,0 +1,57 @@
+"""The target's forward, timed at start-up at a few token counts, for the draft-length controller.
+
+vLLM calls the proposer's ``load_model`` with the loaded target before it profiles memory and
+allocates its KV cache. The forwards here run then, on dummy ids with no attention metadata
+(as vLLM's own profiling run does): the weights' and the logits' cost, not attention over
+a KV cache, which the controller's measured cycles correct. Every tensor-parallel rank runs
+the same forwards (their collectives must meet); rank 0's times are the ones used.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from vllm_usd.drafting.timing import median_seconds
+
+logger = logging.getLogger("vllm.usd")
+
+TARGET_REPEATS = 3  # timed forwards per token count, after one warm-up
+
+
+def token_counts(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_tokens`` (and ``max_tokens`` itself)."""
+    counts, n = [], 1
+    while n < max_tokens:
+        counts.append(n)
+        n *= 2
+    return counts + [max(max_tokens, 1)]
+
+
+def time_target(model: Any, vllm_config: Any, counts: Sequence[int]) -> tuple[tuple[int, float], ...]:
+    """(tokens, median seconds of a forward with logits for every token) per count; () where the
+    model cannot be run this way (the controller then measures while serving only)."""
+    from vllm.forward_context import set_forward_context
+
+    try:
+        device = next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return ()
+    points: list[tuple[int, float]] = []
+    with torch.inference_mode():
+        for n in counts:
+            ids = torch.zeros(n, dtype=torch.long, device=device)
+            positions = torch.arange(n, dtype=torch.long, device=device)
+
+            def forward() -> None:
+                with set_forward_context(None, vllm_config, num_tokens=n):
+                    hidden = model(input_ids=ids, positions=positions)
+                    logits = model.compute_logits(hidden)
+                if logits is not None:
+                    logits[:1, :1].cpu()  # wait for an accelerator
+
+            seconds = median_seconds(forward, repeats=TARGET_REPEATS)
+            points.append((n, max(seconds, points[-1][1]) if points else seconds))
+    return tuple(points)
