@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                                             **{**usd, "adaptive_length": False})
     for variant in args.variant:
         name, _, settings_json = variant.partition("=")
-        systems[name] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
-                                         **{**usd, **json.loads(settings_json)})
+        settings_of = {**usd, **json.loads(settings_json)}  # "drafter" here replaces the pair's
+        systems[name] = speculative_args(drafter=settings_of.pop("drafter", spec.drafter), k=args.k, profile=True,
+                                         **settings_of)
     if args.control:
         systems["control"] = json.loads(args.control_engine)
     max_batch = max(args.batch_sizes)
@@ -104,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                     tok_s = _timed(engines[name], group, batch, temperature, args.max_tokens)
                     runs[name].append({"round": r, "temperature": temperature, "batch": batch, "tok_s": tok_s})
                     print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
-        stats = engines["usd"].collective_rpc(proposer_stats)[0] or {}
-        counters = stats.get("counters", {})  # rows per chosen length (length_0 ...), probes, string rows
-        costs = {key: stats.get(key) for key in ("costs", "costs_measured", "drafter_timing", "slower_buckets",
-                                                  "step_rates", "pooled_acceptance")}
+        proposers = {name: {key: (engines[name].collective_rpc(proposer_stats)[0] or {}).get(key)
+                            for key in ("counters", "timings", "controller", "controller_summary")}
+                     for name in systems if name not in ("plain", "control")}
     rows = []
     for temperature, batch in settings:
         def of(name):
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     result = {"command": "python benchmarks/interleaved_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "usd": json.loads(args.usd), "rounds": args.rounds,
-              "max_tokens": args.max_tokens, "rows": rows, "proposer_counters": counters,
-              **costs, "warmup_rounds": args.warmup_rounds,
+              "max_tokens": args.max_tokens, "rows": rows, "proposers": proposers, "warmup_rounds": args.warmup_rounds,
               # what the command line does not show but changes every engine's speed
               "environment": {k: v for k, v in sorted(os.environ.items())
                               if k.startswith(("VLLM_CPU_", "OMP_")) or k == "LD_PRELOAD"}}

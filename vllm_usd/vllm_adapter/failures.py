@@ -1,4 +1,4 @@
-"""Drafting failures, counted where a user sees them: ``stats()``, the log, and Prometheus.
+"""Drafting failures and draft lengths, where a user sees them: ``stats()``, the log, and Prometheus.
 
 A step whose drafting fails on any tensor-parallel rank goes without drafts on every rank; the
 engine goes on. Each such step is counted by its reason (the exception's type, ``another rank
@@ -10,7 +10,8 @@ Counts cross processes through files: each worker writes its own to
 before any engine starts (the engine's processes inherit the variable) and registers a
 Prometheus collector there that sums them, so ``vllm:usd_drafting_failures_total{reason,rank}``
 stands next to vLLM's ``vllm:spec_decode_*`` counters on the API server's ``/metrics`` and in
-``LLM.get_metrics()``.
+``LLM.get_metrics()``. The same files carry the draft-length controller's current length per
+batch-size bucket, the gauge ``vllm:usd_draft_length{batch,rank}``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ logger = logging.getLogger("vllm.usd")
 
 LOG_INTERVAL_S = 60.0
 METRIC = "vllm:usd_drafting_failures"
+LENGTH_METRIC = "vllm:usd_draft_length"
 PEER_FAILED = "another tensor-parallel rank failed"
 GRAPH_CAPTURE = "cuda graph capture"
 _collector_installed = False
@@ -43,6 +45,13 @@ class FailureCounts:
         self.by_reason: Counter[str] = Counter()
         self._last_log = float("-inf")
         self._since_log = 0
+        self.lengths: dict[str, int] = {}  # batch-size bucket -> the controller's current length
+
+    def set_lengths(self, lengths: dict[str, int]) -> None:
+        """The controller's lengths per bucket, published when they change."""
+        if lengths != self.lengths:
+            self.lengths = dict(lengths)
+            self._publish()
 
     def record(self, reason: str, exc: BaseException | None = None) -> None:
         first = reason not in self.by_reason
@@ -76,7 +85,8 @@ class FailureCounts:
         path = Path(folder) / f"{os.getpid()}.json"
         try:
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps({str(self.rank): dict(self.by_reason)}))
+            tmp.write_text(json.dumps({"failures": {str(self.rank): dict(self.by_reason)},
+                                       "lengths": {str(self.rank): self.lengths}}))
             os.replace(tmp, path)
         except OSError:
             pass  # the counts stay in stats() and the log
@@ -86,22 +96,31 @@ class FailureCollector:
     """A Prometheus collector: the workers' counts, summed by reason and rank."""
 
     def collect(self) -> Iterator[object]:
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         family = CounterMetricFamily(METRIC, "Engine steps whose drafts vllm-usd dropped because drafting failed",
                                      labels=["reason", "rank"])
+        gauge = GaugeMetricFamily(LENGTH_METRIC, "The draft length vllm-usd's controller chose last, per batch size",
+                                  labels=["batch", "rank"])
         totals: Counter[tuple[str, str]] = Counter()
+        lengths: dict[tuple[str, str], int] = {}
         folder = envs.metrics_dir()
         for path in Path(folder).glob("*.json") if folder else ():
             try:
-                for rank, reasons in json.loads(path.read_text()).items():
+                published = json.loads(path.read_text())
+                for rank, reasons in published["failures"].items():
                     for reason, n in reasons.items():
                         totals[(reason, rank)] += int(n)
-            except (OSError, ValueError, AttributeError):
+                for rank, by_batch in published["lengths"].items():
+                    lengths.update({(batch, rank): int(n) for batch, n in by_batch.items()})
+            except (OSError, ValueError, AttributeError, KeyError):
                 continue
         for (reason, rank), n in sorted(totals.items()):
             family.add_metric([reason, rank], n)
+        for (batch, rank), n in sorted(lengths.items()):
+            gauge.add_metric([batch, rank], n)
         yield family
+        yield gauge
 
 
 def install_collector() -> None:

@@ -20,6 +20,7 @@ import torch
 from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.core.retokenize import TargetRetokenizer
+from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
                                PhaseTimer, RequestTable, StartupTimings, StepDigests)
@@ -30,7 +31,7 @@ from vllm_usd.vllm_adapter import compat, patches
 from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
-from vllm_usd.vllm_adapter.target_timing import time_target, token_counts
+from vllm_usd.vllm_adapter.target_timing import MAX_TIMED_TOKENS, time_target, token_counts
 
 logger = logging.getLogger("vllm.usd")
 
@@ -66,7 +67,7 @@ class UniversalProposer:
             max_requests=cfg.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
             kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
             revision=cfg.drafter_revision, trust_remote_code=trust,
-            cuda_graphs=not compat.enforce_eager(vllm_config),
+            cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.tp_size(vllm_config)),
             probe_on=compat.computed_on_tp_rank0, probe_timeout_s=self.probe_timeout_s, probe_child=self.probe_child,
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
@@ -137,8 +138,9 @@ class UniversalProposer:
 
         drafter = compat.computed_on_tp_rank0(drafter_points)
         try:
-            target = time_target(target_model, self.vllm_config,
-                                 token_counts(compat.max_num_seqs(self.vllm_config) * (1 + self.k)))
+            target = time_target(target_model, self.vllm_config, token_counts(min(
+                compat.max_num_seqs(self.vllm_config) * (1 + self.k), compat.max_num_batched_tokens(self.vllm_config),
+                MAX_TIMED_TOKENS)))
         except Exception as exc:  # noqa: BLE001 - the same on every rank: vLLM's forward context refused
             logger.warning("vllm-usd: timing the target at start-up failed (%s); steps are priced as measured", exc)
             target = ()
@@ -154,14 +156,13 @@ class UniversalProposer:
             return
         timings = self._startup_timings(target_model)
         self.controller = DraftLengthController(self.k, timings)
-        ms = [f"{n}: {t * 1e3:.1f}" for n, t in timings.drafter[:1]] or ["not timed"]
-        logger.info("vllm-usd: drafter %s (%s) step at batch %s ms; a cycle at batch 1 costs %s ms without "
-                    "drafts and %s ms with %d (start-up timing). Expected at acceptance %s until measured:\n  %s",
-                    self.choice.runtime, self.choice.dtype, ms[0],
-                    *(f"{timings.estimate(1, n) * 1e3:.1f}" if timings.target else "?" for n in (0, self.k)),
-                    self.k, "/".join(f"{a:.2f}" for a in self.controller.acceptance.rates()),
-                    "\n  ".join(self.controller.summary([1 << b for b in range(
-                        compat.max_num_seqs(self.vllm_config).bit_length())])))
+        drafter_ms = f"{timings.drafter[0][1] * 1e3:.1f} ms" if timings.drafter else "not timed"
+        cycle_ms = [f"{timings.estimate(1, n) * 1e3:.1f} ms" if timings.target else "not timed" for n in (0, self.k)]
+        batches = [1 << b for b in range(compat.max_num_seqs(self.vllm_config).bit_length())]
+        logger.info("vllm-usd: drafter on %s (%s), a step at batch 1: %s; a cycle at batch 1: %s without drafts, "
+                    "%s with %d (start-up timing); at acceptance %s until measured, %s",
+                    self.choice.runtime, self.choice.dtype, drafter_ms, *cycle_ms, self.k,
+                    "/".join(f"{a:.2f}" for a in self.controller.acceptance.rates()), self.controller.outlook(batches))
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
         self._runner = runner
@@ -252,6 +253,7 @@ class UniversalProposer:
             controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)), sampled_token_ids)
         controller.share(compat.tp_broadcast_from_rank0)
         self._length = controller.length(batch) if batch else 0
+        self.failures.set_lengths(controller.lengths())
         return self._length
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,

@@ -19,6 +19,7 @@ from vllm_usd.drafting.timing import median_seconds
 logger = logging.getLogger("vllm.usd")
 
 TARGET_REPEATS = 3  # timed forwards per token count, after one warm-up
+MAX_TIMED_TOKENS = 256  # the largest count timed (past it a step is priced in proportion to its tokens)
 
 
 def token_counts(max_tokens: int) -> list[int]:
