@@ -6,6 +6,8 @@ Markdown; ``benchmarks/run.py`` and ``benchmarks/report.py`` pass it to ``write_
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from vllm_usd.bench.report import cell
@@ -118,3 +120,19 @@ def targets_markdown(checks: list[dict[str, Any]]) -> str:
 def judge(result: dict[str, Any]) -> str:
     result["targets"] = check_targets(result)
     return targets_markdown(result["targets"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Print the project's target verdicts for a benchmarks/run.py JSON.")
+    parser.add_argument("json", type=Path)
+    args = parser.parse_args(argv)
+    print(judge(json.loads(args.json.read_text())) or "no target applies to these rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    raise SystemExit(main())

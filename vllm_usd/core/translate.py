@@ -9,7 +9,7 @@ With ``by_text`` every target token with bytes goes through the re-encoded
 run, shared or not: the drafter reads the text cut as its own tokenizer cuts
 it (what transformers' universal assisted generation gives its assistant).
 String-level drafting uses it: a drafter that writes text continues its own
-segmentation better (README, target 5).
+segmentation better (docs/performance.md, target 5).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ llama.cpp's CPU matmul speed depends on the weight type and on the host, not onl
 bytes read: SmolLM2-135M's Q4_1 GGUF ran slower than its Q8_0 copy on one of this project's
 machines (AVX2) and faster on another (AVX-512, with repacked kernels). So ``auto`` measures.
 A 4-bit GGUF is never rounded to 4 bits a second time: that drafts noticeably differently
-(README, "Drafter speed"). ``usd.drafter_gguf_type`` picks the type the drafter runs in:
+(docs/performance.md, "Drafter speed"). ``usd.drafter_gguf_type`` picks the type the drafter runs in:
 
 - ``"file"``: the GGUF as it is;
 - a llama.cpp type name (``GGUF_TYPES``): the GGUF requantized to that type, once, into
@@ -29,7 +29,7 @@ logger = logging.getLogger("vllm.usd")
 
 # llama.cpp file types by name (llama_ftype in llama.h) a drafter may be requantized to. The 16-bit
 # types are never picked by auto: they read twice Q8_0's bytes and ran slower here, but their
-# kernels come closer to the weight-read limit (README, "Drafter speed").
+# kernels come closer to the weight-read limit (docs/performance.md, "Drafter speed").
 GGUF_TYPES: dict[str, int] = {"q4_0": 2, "iq4_nl": 25, "q4_1": 3, "q4_k_m": 15, "q8_0": 7, "f16": 1, "bf16": 32}
 CHOICES = ("auto", "file", *GGUF_TYPES)
 

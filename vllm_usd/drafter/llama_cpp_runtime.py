@@ -77,14 +77,14 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
 
     def __init__(self, gguf_path: str, *, settings: NativeSettings, vocab_size: int, kv_bytes_per_token: int,
                  max_len: int, max_requests: int, kv_budget_bytes: int, cpus: frozenset[int] | None = None) -> None:
-        from vllm_usd.drafter.ggml_library import load_cpu_backend
-
-        load_cpu_backend(settings.cpu_variant)
         import llama_cpp
         from llama_cpp import _logger
 
+        from vllm_usd.drafter.ggml_library import load_cpu_backend
+
+        _logger.set_verbose(False)  # before the backend loads: ggml logs that too ("load_backend: ...")
+        load_cpu_backend(settings.cpu_variant)
         global _backend_ready
-        _logger.set_verbose(False)
         if not _backend_ready:
             llama_cpp.llama_backend_init()
             _backend_ready = True
