@@ -72,6 +72,40 @@ def drafter_cpus(tp_size: int = 1) -> frozenset[int]:
     return (_startup_cpus or current) if tp_size == 1 else current
 
 
+def step_ms(runtime: "LlamaCppDrafterRuntime", steps: int = 40) -> float:
+    """Median milliseconds of a one-token batch-1 forward, as drafting runs them: ``steps`` forwards each
+    appending a token to a 64-token context, after 4 warm-up ones."""
+    import statistics
+    import time
+
+    runtime.add("__vllm_usd_timed__")
+    runtime.forward(["__vllm_usd_timed__"], [0], [[100 + i for i in range(64)]])
+    times = []
+    for step in range(steps + 4):
+        start = time.perf_counter()
+        runtime.forward(["__vllm_usd_timed__"], [64 + step], [[200 + step]])
+        times.append(time.perf_counter() - start)
+    runtime.free("__vllm_usd_timed__")
+    return round(1000 * statistics.median(times[4:]), 3)
+
+
+def fastest_here(candidates: list[tuple[str, NativeSettings]], vocab_size: int, cpus: frozenset[int],
+                 rounds: int = 4) -> list[float]:
+    """Batch-1 step milliseconds of each (GGUF, settings), timed in this process on ``cpus`` (a worker's
+    conditions: its binding, its OpenMP), in ``rounds`` interleaved rounds so that drift hits each alike."""
+    import statistics
+
+    runtimes = [LlamaCppDrafterRuntime(gguf, settings=settings, vocab_size=vocab_size, kv_bytes_per_token=1,
+                                       max_len=256, max_requests=1, kv_budget_bytes=1 << 28, cpus=cpus)
+                for gguf, settings in candidates]
+    try:
+        times = [[step_ms(runtime, steps=10) for runtime in runtimes] for _ in range(rounds)]
+    finally:
+        for runtime in runtimes:
+            runtime.close()
+    return [statistics.median(column) for column in zip(*times)]
+
+
 class LlamaCppDrafterRuntime(DrafterRuntime):
     """A GGUF drafter in llama.cpp, one KV stream per request."""
 

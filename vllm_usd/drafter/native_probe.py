@@ -55,7 +55,7 @@ from vllm_usd.drafter.llama_cpp_runtime import NativeSettings
 
 logger = logging.getLogger("vllm.usd")
 
-PROBE_VERSION = 2  # 2: each attempt's batch-1 step time
+PROBE_VERSION = 3  # 2: each attempt's batch-1 step time; 3: timed as drafting runs (40 appended tokens)
 TOP1_MIN = 0.7
 LOGPROB_GAP_MAX = 1.0  # nats
 CHILD = "vllm_usd.drafter.probe_child"

@@ -45,11 +45,11 @@ def probe(request: dict[str, Any]) -> None:
     import numpy as np
     import torch
 
-    from vllm_usd.drafter.llama_cpp_runtime import LlamaCppDrafterRuntime, NativeSettings, drafter_cpus
+    from vllm_usd.drafter.llama_cpp_runtime import LlamaCppDrafterRuntime, NativeSettings, drafter_cpus, step_ms
 
     settings = NativeSettings(**request["settings"])
     runtime = LlamaCppDrafterRuntime(request["gguf"], settings=settings, vocab_size=request["vocab_size"],
-                                     kv_bytes_per_token=1, max_len=1024, max_requests=2, kv_budget_bytes=1 << 30,
+                                     kv_bytes_per_token=1, max_len=1024, max_requests=3, kv_budget_bytes=1 << 30,
                                      cpus=frozenset(sorted(drafter_cpus())[:request["threads"]]))
     from vllm_usd.drafter import ggml_library
 
@@ -60,20 +60,7 @@ def probe(request: dict[str, Any]) -> None:
     for req_ids, keep, new in request["calls"]:
         rows.append(runtime.forward(req_ids, keep, new))  # [len(req_ids), vocab_size]
     np.save(request["out"], torch.cat(rows).numpy())
-    _say(saved=request["out"], step_ms=_step_ms(runtime))
-
-
-def _step_ms(runtime) -> float:
-    """Median milliseconds of a one-token batch-1 forward with these settings, after two warm-up ones."""
-    import statistics
-    import time
-
-    length, times = len(runtime.cached_tokens("a")), []
-    for step in range(14):
-        start = time.perf_counter()
-        runtime.forward(["a"], [length], [[100 + step]])  # each step rolls the last one back
-        times.append(time.perf_counter() - start)
-    return round(1000 * statistics.median(times[2:]), 3)
+    _say(saved=request["out"], step_ms=step_ms(runtime))
 
 
 def serve(request: dict[str, Any]) -> None:

@@ -132,10 +132,11 @@ class OpenedDrafter:
 
 
 def probe_verdict(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, threads: int,
-                  timeout_s: float = 120.0, child: str | None = None):
+                  timeout_s: float = 120.0, child: str | None = None, cpus: frozenset[int] | None = None):
     """(the GGUF to run, its type, the native probe's ``NativeVerdict`` for it, {type: batch-1 step ms}) for a
     llama.cpp ``choice``. Where ``usd.drafter_gguf_type`` is ``auto``, each candidate type is probed and
-    the fastest that passed runs (``gguf_types.candidates``)."""
+    the fastest that passed runs (``gguf_types.candidates``): as the probe's child timed them, or, given
+    ``cpus`` (a worker starting its drafter), as they run in this process on those CPUs, interleaved."""
     from vllm_usd import envs
     from vllm_usd.drafter.gguf_types import candidates
     from vllm_usd.drafter.hf_to_gguf import convert_folder
@@ -149,16 +150,24 @@ def probe_verdict(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_siz
         runs.append((gguf, gguf_type, verdict))
     timed = {gguf_type: verdict.step_ms for _, gguf_type, verdict in runs}
     passed = [run for run in runs if run[2].settings is not None]
-    best = min(passed, key=lambda run: run[2].step_ms if run[2].step_ms is not None else float("inf")) \
+    if cpus is not None and len(passed) > 1:  # the child timed each alone; here they run as drafting will
+        from vllm_usd.drafter.llama_cpp_runtime import fastest_here
+
+        try:
+            here = fastest_here([(gguf, verdict.settings) for gguf, _, verdict in passed], vocab_size, cpus)
+            timed.update({gguf_type: ms for (_, gguf_type, _), ms in zip(passed, here)})
+        except Exception as exc:  # noqa: BLE001 - the child's times stand
+            logger.warning("vllm-usd: timing the drafter's weight types in this process failed (%s)", exc)
+    best = min(passed, key=lambda run: timed[run[1]] if timed[run[1]] is not None else float("inf")) \
         if passed else runs[0]
     if len(runs) > 1:
-        logger.info("vllm-usd: the drafter GGUF's types timed at batch 1 on this host: %s; runs %s",
-                    ", ".join(f"{name} {ms:.1f} ms" if ms is not None else f"{name} failed the probe"
+        logger.info("vllm-usd: the drafter GGUF's types timed at batch 1 %s: %s; runs %s",
+                    "in this worker" if cpus is not None and len(passed) > 1 else "on this host", ", ".join(f"{name} {ms:.1f} ms" if ms is not None else f"{name} failed the probe"
                               for name, ms in timed.items()), best[1])
     return best[0], best[1], best[2], timed
 
 
-def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, threads: int,
+def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int, cpus: frozenset[int],
            timeout_s: float, child: str | None) -> DrafterChoice:
     """``choice`` (llama.cpp) as its probe proved it: the GGUF to run (requantized where
     usd.drafter_gguf_type says) with the settings that passed here, or the transformers runtime
@@ -168,7 +177,7 @@ def proven(choice: DrafterChoice, path: str, *, tokenizer: Any, vocab_size: int,
     fallback = DrafterChoice("transformers", AUTO_DTYPE["cpu"], "cpu")
     try:
         gguf, gguf_type, verdict, _ = probe_verdict(choice, path, tokenizer=tokenizer, vocab_size=vocab_size,
-                                                    threads=threads, timeout_s=timeout_s, child=child)
+                                                    threads=len(cpus), timeout_s=timeout_s, child=child, cpus=cpus)
     except ConversionError as exc:
         line = (f"vllm-usd: the drafter folder {path} was not converted for llama.cpp: {exc}; it runs on "
                 f"transformers {fallback.dtype}")
@@ -209,7 +218,7 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
     if choice.runtime == "llama_cpp" and choice.native is None:
         unproven = choice
         choice = probe_on(lambda: proven(unproven, path, tokenizer=tokenizer, vocab_size=int(text_config.vocab_size),
-                                         threads=len(cpus), timeout_s=probe_timeout_s, child=probe_child))
+                                         cpus=cpus, timeout_s=probe_timeout_s, child=probe_child))
     if choice.runtime == "llama_cpp":
         vocab_size = int(text_config.vocab_size)
         runtime: DrafterRuntime = LlamaCppDrafterRuntime(
