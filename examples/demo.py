@@ -4,9 +4,9 @@ Default pair: Gemma-3-270m (target, SentencePiece, 262k vocab) drafted by
 SmolLM2-135M-Instruct (byte-level BPE, 49k vocab), both converted from GGUF
 files shipped on PyPI (see vllm_usd/demo_pair.py).
 
-The same prompts run in two scenarios, each with and without vllm-usd:
-one request at a time (latency, batch 1) and all of them at once
-(throughput, batch 8). A table per scenario gives tokens/s, the ratio to the
+The same prompts run in two scenarios, each with and without vllm-usd, both
+engines up at once and timed in alternation: one request at a time
+(latency, batch 1) and all of them at once (throughput, batch 8). A table per scenario gives tokens/s, the ratio to the
 target alone, the acceptance length, the drafts and greedy equality; then
 the draft-length controller says, per batch size, why it drafted or not.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 PROMPTS = [
@@ -64,30 +65,40 @@ def _scenario(llm, params, batch: int) -> dict:
             "acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
-def _engine_runs(model: str, params, spec: dict | None, verbose: bool) -> tuple[list[dict], list[str]]:
-    """One engine, both scenarios after a short warm-up; the controller's summary lines with vllm-usd."""
-    from vllm import LLM, SamplingParams
-
-    from vllm_usd.vllm_adapter.compat import shutdown_engine
-
-    warm = SamplingParams(temperature=params.temperature, max_tokens=min(params.max_tokens, 32), seed=params.seed)
+def _engine(model: str, spec: dict | None, verbose: bool):
+    from vllm import LLM
 
     extra = {"worker_extension_cls": STATS_EXTENSION, **spec} if spec else {}
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=len(PROMPTS),
-              disable_log_stats=False, seed=0, use_tqdm_on_load=verbose, **extra)
-    try:
-        for _, batch in SCENARIOS:  # untimed: first-step costs, and the controller's first measurements
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=len(PROMPTS),
+               disable_log_stats=False, seed=0, use_tqdm_on_load=verbose, **extra)
+
+
+def _side_by_side(engines: dict, params, rounds: int) -> dict[str, list[dict]]:
+    """Both engines up at once; each scenario timed ``rounds`` times on each, alternating, so that the
+    machine's drift hits both alike (after an untimed warm-up: first-step costs, and the controller's
+    first measurements). Per engine and scenario: the last round's outputs, the median tokens/s."""
+    from vllm import SamplingParams
+
+    warm = SamplingParams(temperature=params.temperature, max_tokens=min(params.max_tokens, 32), seed=params.seed)
+    for llm in engines.values():
+        for _, batch in SCENARIOS:
             for i in range(0, min(len(PROMPTS), 2 * batch), batch):
                 llm.generate(PROMPTS[i:i + batch], warm, use_tqdm=False)
-        runs = [_scenario(llm, params, batch) for _, batch in SCENARIOS]
-        summary: list[str] = []
-        if spec:
-            stats = llm.collective_rpc("usd_proposer_stats")[0] or {}
-            summary = list(stats.get("controller_summary") or [])
-    finally:
-        shutdown_engine(llm)
-        del llm
-    return runs, summary
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for title, batch in SCENARIOS:
+        _progress(f"timing {title}, {rounds} rounds each way ...")
+        timed: dict[str, list[dict]] = {name: [] for name in engines}
+        for _ in range(rounds):
+            for name, llm in engines.items():
+                timed[name].append(_scenario(llm, params, batch))
+        for name, results in timed.items():
+            last = dict(results[-1])
+            last["tok_s"] = statistics.median(r["tok_s"] for r in results)
+            last["drafts"] = sum(r["drafts"] for r in results)
+            accepted = sum((r["acceptance_length"] - 1) * r["drafts"] for r in results if r["drafts"])
+            last["acceptance_length"] = 1 + accepted / last["drafts"] if last["drafts"] else None
+            runs[name].append(last)
+    return runs
 
 
 def _table(base: dict, usd: dict, k: int, greedy: bool) -> list[str]:
@@ -112,6 +123,7 @@ def main() -> None:
                              "draft-length controller choose")
     parser.add_argument("--usd", type=json.loads, default={}, metavar="JSON",
                         help='more additional_config.usd settings, e.g. \'{"draft_mode": "tli"}\'')
+    parser.add_argument("--rounds", type=int, default=2, help="timed runs of each scenario on each engine")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and llama.cpp's logs")
     args = parser.parse_args()
     if not args.verbose:  # before vLLM is imported: its engine processes inherit these
@@ -133,12 +145,24 @@ def main() -> None:
     greedy = args.temperature == 0
     _progress(f"target  {args.target}\n[demo] drafter {args.drafter}\n[demo] k={args.k}, "
               f"temperature={args.temperature}, {len(PROMPTS)} prompts x {args.max_tokens} tokens")
-    _progress("running the target alone (vLLM start-up, then both scenarios) ...")
-    base, _ = _engine_runs(args.target, params, None, args.verbose)
-    _progress("running with vllm-usd (the first start also checks the drafter's GGUF; cached after) ...")
+    from vllm_usd.vllm_adapter.compat import shutdown_engine
+
     spec = vllm_usd.speculative_args(drafter=args.drafter, k=args.k,
                                      **{"adaptive_length": not args.fixed_length, **args.usd})
-    usd, summary = _engine_runs(args.target, params, spec, args.verbose)
+    engines = {}
+    try:
+        _progress("starting the target alone (vLLM start-up) ...")
+        engines["base"] = _engine(args.target, None, args.verbose)
+        _progress("starting the target with vllm-usd (the first start also checks and times the drafter's "
+                  "GGUF; cached after) ...")
+        engines["usd"] = _engine(args.target, spec, args.verbose)
+        runs = _side_by_side(engines, params, args.rounds)
+        summary = [] if args.fixed_length else list(
+            (engines["usd"].collective_rpc("usd_proposer_stats")[0] or {}).get("controller_summary") or [])
+    finally:
+        for llm in engines.values():
+            shutdown_engine(llm)
+    base, usd = runs["base"], runs["usd"]
 
     for prompt, text in zip(PROMPTS, usd[0]["texts"]):
         print("-" * 72)

@@ -148,8 +148,8 @@ def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch
     assert p.controller.timings == rank0
     steps = _serve(p, 32)
     assert p.controller.shared == shared, "rank 0's table, not this rank's"
-    assert all(d == [] for step in steps[8:] for i, d in enumerate(step.values())
-               if (steps.index(step) + 1) % 16), "drafting measured 9x dearer: no drafts but exploring"
+    assert all(d == [] for step in steps[8:] for d in step.values()), \
+        "from the first share on, drafting is 9x dearer in rank 0's table: no drafts (exploring waits 9x longer)"
 
 
 def _ranks(rank_count: int = 2):

@@ -91,18 +91,6 @@ def test_demo_on_the_tiny_pair(pair):
 
 
 @pytest.mark.engine
-def test_demo_says_when_the_policy_drafted_nothing(pair):
-    """With the policy on, a run may draft nothing at all: on the tiny pair at batch 8 no length pays,
-    and whether the batch-1 warm-up probes depends on vLLM's random request-id suffixes (the last CI run
-    crashed there). A drafter priced at 100 target steps makes that certain; the demo must say so."""
-    res = _run([sys.executable, "examples/demo.py", "--target", pair[0], "--drafter", pair[1], "--max-tokens", "4",
-                "--usd", '{"draft_cost": 100}'])
-    assert "greedy outputs identical to the target alone: 16/16" in res.stdout, res.stdout[-2000:]
-    assert [(r["acceptance length"], r["drafts"]) for r in _usd_rows(res.stdout)] == [("no drafts", "0")] * 2, \
-        res.stdout[-2000:]
-
-
-@pytest.mark.engine
 def test_serve_and_query_example(pair):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -142,8 +142,9 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         # sequences and the length each may reach, within the KV budget
         n_seq = max(1, min(max_requests, MAX_SEQUENCES))
         per_seq = max(256, min(max_len, int(llama_cpp.llama_model_n_ctx_train(model)) or max_len))
+        per_seq = -(-per_seq // 256) * 256  # llama.cpp pads its context to 256: each sequence keeps an equal share
         while n_seq * per_seq * kv_bytes_per_token > kv_budget_bytes and per_seq > 256:
-            per_seq = max(256, per_seq // 2)
+            per_seq = max(256, per_seq // 512 * 256)  # halved, in multiples of 256
         while n_seq * per_seq * kv_bytes_per_token > kv_budget_bytes and n_seq > 1:
             n_seq //= 2
         self.max_len = min(per_seq, max_len)  # the cells per sequence may exceed a smaller configured cap

@@ -19,10 +19,12 @@ Two things are kept, both from what the engine did:
 
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
-the plain step's cost). Ties go to the shorter length. Every ``EXPLORE_EVERY``-th step of a
-bucket takes, instead, the other length with the fewest measured cycles (the shorter on a
-tie), so a length that looked worse is measured again: exploration costs at most one step in
-``EXPLORE_EVERY`` at a length that was not the best.
+the plain step's cost). Ties go to the shorter length. Now and then a step takes another
+length instead, the one with the fewest measured cycles (the shorter on a tie), so that a
+length that looked worse is measured again: in each bucket, once the steps since its last such
+step number ``EXPLORE_EVERY`` times that length's cost over the best's. A step at another length
+costs at most its cost over the best's more than a best step, so exploring takes at most about
+1/``EXPLORE_EVERY`` of a bucket's time (a length 4x dearer is tried once in 4 x 32 steps).
 
 Tensor parallelism: acceptance comes from the tokens every rank samples alike, and the step
 counts are alike; the cycle costs are rank 0's, broadcast every ``SHARE_EVERY`` steps (and the
@@ -39,7 +41,7 @@ from typing import Callable, Sequence
 ACCEPTANCE_MEMORY = 256  # drafts per position whose outcome counts (older ones fade)
 ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any draft was verified
 CYCLES_KEPT = 16  # the latest measured cycles per (bucket, length)
-EXPLORE_EVERY = 16  # one step in this many (per bucket) measures another length
+EXPLORE_EVERY = 32  # exploring takes at most about 1/EXPLORE_EVERY of each bucket's time
 SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
 
 
@@ -106,7 +108,7 @@ class DraftLengthController:
         self.acceptance = _Acceptance(k)
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
         self.shared: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, length) -> (median ratio, cycles)
-        self._decisions: dict[int, int] = defaultdict(int)  # bucket -> steps decided
+        self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
         self._steps = 0
 
@@ -155,10 +157,11 @@ class DraftLengthController:
         b = bucket(batch)
         rates = self.rates(batch)
         best = max(range(self.k + 1), key=lambda n: (rates[n], -n))
-        self._decisions[b] += 1
-        if self._decisions[b] % EXPLORE_EVERY == 0:
-            others = [n for n in range(self.k + 1) if n != best]
-            best = min(others, key=lambda n: (self.shared.get((b, n), (0.0, 0))[1], n))
+        other = min((n for n in range(self.k + 1) if n != best),
+                    key=lambda n: (self.shared.get((b, n), (0.0, 0))[1], n))
+        self._since_explore[b] += 1
+        if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
+            self._since_explore[b], best = 0, other
         self.current[b] = best
         return best
 
