@@ -7,6 +7,7 @@ created and freed together with the state here.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
@@ -19,7 +20,6 @@ from vllm_usd.core.translate import ContextTranslator
 from vllm_usd.drafter.base import DrafterRuntime
 
 SAMPLING_EPS = 1e-5  # vLLM treats a temperature below this as greedy
-NO_LIMIT = 1 << 62
 TAIL_TOKENS = 16  # committed target ids each row carries for string drafting's re-encoding window
 
 
@@ -31,7 +31,7 @@ class RequestSampling:
     top_k: int = 0  # <= 0: off
     top_p: float = 1.0
     seed: int | None = None
-    last_token: int = NO_LIMIT  # target tokens (prompt included) at which max_tokens is reached
+    last_token: int = sys.maxsize  # target tokens (prompt included) at which max_tokens is reached
 
 
 @dataclass

@@ -10,12 +10,13 @@ worker or engine objects is here.
 from __future__ import annotations
 
 import contextlib
+import sys
 from importlib import metadata
 from typing import Any, Callable
 
 import torch
 
-from vllm_usd.drafting.requests import NO_LIMIT, RequestSampling
+from vllm_usd.drafting.requests import RequestSampling
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -140,7 +141,7 @@ def request_sampling(runner, req_id: str) -> RequestSampling:
     params = getattr(request, "sampling_params", None)
     max_tokens = getattr(params, "max_tokens", None)
     prompt_len = getattr(request, "num_prompt_tokens", None)
-    last = prompt_len + max_tokens if isinstance(max_tokens, int) and isinstance(prompt_len, int) else NO_LIMIT
+    last = prompt_len + max_tokens if isinstance(max_tokens, int) and isinstance(prompt_len, int) else sys.maxsize
     return RequestSampling(
         temperature=float(getattr(params, "temperature", 0.0) or 0.0),
         top_k=int(getattr(params, "top_k", 0) or 0),

@@ -23,11 +23,12 @@ from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
-                               PhaseTimer, RequestTable, StartupTimings, StepDigests)
+                               PhaseTimer, RequestTable, StartupTimings)
 from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
+from vllm_usd.vllm_adapter.digests import StepDigests
 from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
