@@ -152,7 +152,8 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
         stats = llm.collective_rpc(proposer_stats)
         gauge = {(m.labels["batch"], m.labels["rank"]): m.value for m in llm.get_metrics() if m.name == LENGTH_METRIC}
     assert out == tp1_plain["greedy"]
-    assert gauge and all(gauge.get((batch, "1")) == n for (batch, rank), n in gauge.items() if rank == "0"), gauge = [s["controller"] for s in stats]
+    assert gauge and all(gauge.get((batch, "1")) == n for (batch, rank), n in gauge.items() if rank == "0"), gauge
+    controllers = [s["controller"] for s in stats]
     assert controllers[0]["startup_timings"]["drafter"] and controllers[0]["cost_scale"], controllers[0]
     assert controllers[0] == controllers[1], controllers
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]
