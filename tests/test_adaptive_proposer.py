@@ -140,7 +140,7 @@ def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch
     from vllm_usd.vllm_adapter import compat
 
     rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)))
-    shared = {(1, 0): (1.0, 8), (1, 1): (9.0, 8), (1, 2): (9.0, 8), (1, 3): (9.0, 8)}
+    shared = {(1, 0): (1.0, 8, 0), (1, 1): (9.0, 8, 0), (1, 2): (9.0, 8, 0), (1, 3): (9.0, 8, 0)}
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: rank0.drafter)
     monkeypatch.setattr(compat, "tp_broadcast_from_rank0",
                         lambda obj: rank0.target if isinstance(obj, tuple) else shared)
@@ -202,3 +202,22 @@ def test_the_confidence_stop_cuts_drafts_and_leaves_q_as_it_was():
             shortened += len(kept) < len(drafts[req])
             assert torch.equal(q[row, :len(kept)], cut_q[row, :len(kept)]), req
     assert shortened > 0, "power: the stop cut some drafts at 0.5"
+
+
+def test_a_controller_failure_drops_the_step_and_the_share_still_happens():
+    """Planted: the controller's bookkeeping raises. The step goes without drafts, the failure is counted,
+    and the share (a collective under tensor parallelism) is still called at every step."""
+    p = _proposer()
+    runner = FakeRunner()
+    runner.add("a", _prompt(" the keeper"), sampling(0.0))
+    shares = []
+    real_share = p.controller.share
+    p.controller.share = lambda broadcast: shares.append(1) or real_share(broadcast)
+
+    def broken(*args):
+        raise RuntimeError("planted")
+
+    p.controller.observe = broken
+    for _ in range(3):
+        assert runner.step(p, {}) == {"a": []}
+    assert len(shares) == 3 and p.stats()["failures"] == {"RuntimeError": 3}, p.stats()["failures"]

@@ -13,6 +13,7 @@ the Hugging Face tokenizer used for the mapping (checked at load).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
+
+logger = logging.getLogger("vllm.usd")
 
 # tokens per llama_decode call; a longer call (a prompt) is split into chunks of this size
 BATCH_TOKENS = 512
@@ -62,14 +65,15 @@ def remember_startup_cpus() -> None:
         _startup_cpus = frozenset(os.sched_getaffinity(0))
 
 
-def drafter_cpus(tp_size: int = 1) -> frozenset[int]:
-    """The CPUs llama.cpp drafts on. Alone (no tensor parallelism) the target and the drafter take
-    turns, so while drafting the target's cores and those vLLM left idle are free: every CPU the
-    process had at start-up. Under tensor parallelism the ranks draft at once: each its own CPUs."""
+def drafter_cpus(workers: int = 1) -> frozenset[int]:
+    """The CPUs llama.cpp drafts on. The engine's only worker and its drafter take turns, so while it
+    drafts the target's cores and those vLLM left idle are free: every CPU the process had at
+    start-up. With more workers (tensor, pipeline or data parallel) they may run at once: each
+    drafts on its own CPUs."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return frozenset(range(os.cpu_count() or 1))
     current = frozenset(os.sched_getaffinity(0))
-    return (_startup_cpus or current) if tp_size == 1 else current
+    return (_startup_cpus or current) if workers == 1 else current
 
 
 def step_ms(runtime: "LlamaCppDrafterRuntime", steps: int = 40) -> float:
@@ -95,10 +99,14 @@ def fastest_here(candidates: list[tuple[str, NativeSettings]], vocab_size: int, 
     conditions: its binding, its OpenMP), in ``rounds`` interleaved rounds so that drift hits each alike."""
     import statistics
 
-    runtimes = [LlamaCppDrafterRuntime(gguf, settings=settings, vocab_size=vocab_size, kv_bytes_per_token=1,
-                                       max_len=256, max_requests=1, kv_budget_bytes=1 << 28, cpus=cpus)
-                for gguf, settings in candidates]
+    if len({settings.cpu_variant for _, settings in candidates}) > 1:
+        raise ValueError("the candidates run on different CPU kernel variants; a process loads one")
+    runtimes: list[LlamaCppDrafterRuntime] = []
     try:
+        for gguf, settings in candidates:
+            runtimes.append(LlamaCppDrafterRuntime(gguf, settings=settings, vocab_size=vocab_size,
+                                                   kv_bytes_per_token=1, max_len=256, max_requests=1,
+                                                   kv_budget_bytes=1 << 28, cpus=cpus))
         times = [[step_ms(runtime, steps=10) for runtime in runtimes] for _ in range(rounds)]
     finally:
         for runtime in runtimes:
@@ -252,7 +260,13 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else self.cpus
         if saved == self.cpus:
             return call(*args)
-        os.sched_setaffinity(0, self.cpus)
+        try:
+            os.sched_setaffinity(0, self.cpus)
+        except OSError as exc:  # the CPUs are no longer ours (a cgroup changed): draft where we are
+            logger.warning("vllm-usd: llama.cpp can no longer draft on CPUs %s (%s); it drafts on %s from now on",
+                           sorted(self.cpus), exc, sorted(saved))
+            self.cpus = frozenset(saved)
+            return call(*args)
         try:
             return call(*args)
         finally:

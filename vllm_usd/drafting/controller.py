@@ -20,8 +20,8 @@ Two things are kept, both from what the engine did:
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
 the plain step's cost). Ties go to the shorter length. Now and then a step takes another
-length instead, the one with the fewest measured cycles (the shorter on a tie), so that a
-length that looked worse is measured again: in each bucket, once the steps since its last such
+length instead, the one measured least recently (never measured first, the shorter on a tie),
+so that a length that looked worse is measured again: in each bucket, once the steps since its last such
 step number ``EXPLORE_EVERY`` times that length's cost over the best's. A step at another length
 costs at most its cost over the best's more than a best step, so exploring takes at most about
 1/``EXPLORE_EVERY`` of a bucket's time (a length 4x dearer is tried once in 4 x 32 steps).
@@ -75,10 +75,12 @@ class StartupTimings:
     drafter: tuple[tuple[int, float], ...] = ()
 
     def estimate(self, batch: int, length: int) -> float:
-        """A cycle of ``batch`` rows drafting ``length`` each; 1.0 where nothing was timed."""
-        target = interpolate(self.target, batch * (1 + length)) if self.target else 1.0
-        drafter = interpolate(self.drafter, batch) if self.drafter and self.target else 0.0
-        return target + length * drafter
+        """A cycle of ``batch`` rows drafting ``length`` each; without the target's timing, 1.0 for every
+        cycle (the drafter's timing alone has no unit to join)."""
+        if not self.target:
+            return 1.0
+        drafter = interpolate(self.drafter, batch) if self.drafter else 0.0
+        return max(interpolate(self.target, batch * (1 + length)) + length * drafter, 1e-9)
 
 
 class _Acceptance:
@@ -107,7 +109,10 @@ class DraftLengthController:
         self.timings = timings or StartupTimings()
         self.acceptance = _Acceptance(k)
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
-        self.shared: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, length) -> (median ratio, cycles)
+        self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, length) -> the step of its last cycle
+        # (bucket, length) -> (median ratio, cycles kept, step last measured): rank 0's, as last shared
+        self.shared: dict[tuple[int, int], tuple[float, int, int]] = {}
+        self.best: dict[int, int] = {}  # bucket -> the best length at its last step (exploring aside)
         self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
         self._steps = 0
@@ -122,13 +127,15 @@ class DraftLengthController:
     def record_cycle(self, batch: int, length: int, seconds: float) -> None:
         """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock)."""
         if batch > 0 and seconds > 0:
-            self._ratios[(bucket(batch), length)].append(seconds / self.timings.estimate(batch, length))
+            cell = (bucket(batch), length)
+            self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
+            self._measured_at[cell] = self._steps
 
     def share(self, broadcast: Callable[[object], object]) -> None:
         """Every ``SHARE_EVERY`` calls (one per step, on every rank): take rank 0's measured costs."""
         self._steps += 1
         if self._steps % SHARE_EVERY == 0:
-            local = {cell: (statistics.median(r), len(r)) for cell, r in self._ratios.items() if r}
+            local = {cell: (statistics.median(r), len(r), self._measured_at[cell]) for cell, r in self._ratios.items()}
             self.shared = broadcast(local)
 
     # -- this step ---------------------------------------------------------------------------------
@@ -144,9 +151,9 @@ class DraftLengthController:
         b = bucket(batch)
         cell = self.shared.get((b, length))
         if cell is None:
-            same_bucket = [r for (cb, _), (r, _) in self.shared.items() if cb == b]
-            cell = (statistics.median(same_bucket or [r for r, _ in self.shared.values()] or [1.0]), 0)
-        return self.timings.estimate(batch, length) * cell[0]
+            same_bucket = [cell[0] for (cb, _), cell in self.shared.items() if cb == b]
+            cell = (statistics.median(same_bucket or [cell[0] for cell in self.shared.values()] or [1.0]),)
+        return self.timings.estimate(batch, length) * max(cell[0], 1e-9)
 
     def rates(self, batch: int) -> list[float]:
         """Expected tokens per second per row at each length 0..k."""
@@ -156,14 +163,15 @@ class DraftLengthController:
         """This step's length for every row of a ``batch``-row step."""
         b = bucket(batch)
         rates = self.rates(batch)
-        best = max(range(self.k + 1), key=lambda n: (rates[n], -n))
+        best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         other = min((n for n in range(self.k + 1) if n != best),
-                    key=lambda n: (self.shared.get((b, n), (0.0, 0))[1], n))
+                    key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
         self._since_explore[b] += 1
+        chosen = best
         if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
-            self._since_explore[b], best = 0, other
-        self.current[b] = best
-        return best
+            self._since_explore[b], chosen = 0, other
+        self.current[b] = chosen
+        return chosen
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
     def _best(self, batch: int) -> tuple[int, float]:
@@ -195,13 +203,13 @@ class DraftLengthController:
         return lines
 
     def lengths(self) -> dict[str, int]:
-        """The length each batch-size bucket's last step got."""
-        return {bucket_label(b): n for b, n in sorted(self.current.items())}
+        """The best length of each batch-size bucket at its last step (exploring aside)."""
+        return {bucket_label(b): n for b, n in sorted(self.best.items())}
 
     def state(self) -> dict[str, object]:
         return {"lengths": self.lengths(),
                 "acceptance": [round(a, 4) for a in self.acceptance.rates()],
-                "cost_scale": {f"{bucket_label(b)}/{n}": round(r, 4) for (b, n), (r, _) in sorted(self.shared.items())},
+                "cost_scale": {f"{bucket_label(b)}/{n}": round(cell[0], 4) for (b, n), cell in sorted(self.shared.items())},
                 "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter)}}
 
 

@@ -103,7 +103,7 @@ class IntersectionDrafting:
                 idx, q = sample_drafts(logits, step_params, shared)
             index[:active, j] = idx
             qs.append(q)
-            if self.confidence_stop > 0 and self._stop_unconfident(logits, idx, cut[:active], j):
+            if self.confidence_stop > 0 and j + 1 < depth and self._stop_unconfident(logits, idx, cut[:active], j):
                 break
             if j + 1 < depth:
                 go_on = sum(1 for n in lengths[:active] if n > j + 1)

@@ -59,8 +59,10 @@ def max_num_batched_tokens(vllm_config) -> int:
     return int(value) if value else 1 << 30
 
 
-def tp_size(vllm_config) -> int:
-    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+def workers(vllm_config) -> int:
+    """The engine's workers: tensor x pipeline parallel ranks, times data-parallel engines."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "world_size", 1) or 1) * int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
 def worker_device(vllm_config) -> str:

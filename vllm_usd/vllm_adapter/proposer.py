@@ -68,7 +68,7 @@ class UniversalProposer:
             max_requests=cfg.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
             kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
             revision=cfg.drafter_revision, trust_remote_code=trust,
-            cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.tp_size(vllm_config)),
+            cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.workers(vllm_config)),
             probe_on=compat.computed_on_tp_rank0, probe_timeout_s=self.probe_timeout_s, probe_child=self.probe_child,
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
@@ -138,12 +138,16 @@ class UniversalProposer:
                 return ()
 
         drafter = compat.computed_on_tp_rank0(drafter_points)
-        try:
-            target = time_target(target_model, self.vllm_config, token_counts(min(
-                compat.max_num_seqs(self.vllm_config) * (1 + self.k), compat.max_num_batched_tokens(self.vllm_config),
-                MAX_TIMED_TOKENS)))
-        except Exception as exc:  # noqa: BLE001 - the same on every rank: vLLM's forward context refused
-            logger.warning("vllm-usd: timing the target at start-up failed (%s); steps are priced as measured", exc)
+        target: tuple[tuple[int, float], ...] = ()
+        if compat.enforce_eager(self.vllm_config):  # a compiled target is first run by vLLM's own warm-up
+            try:
+                target = time_target(target_model, self.vllm_config, token_counts(min(
+                    compat.max_num_seqs(self.vllm_config) * (1 + self.k),
+                    compat.max_num_batched_tokens(self.vllm_config), MAX_TIMED_TOKENS)))
+            except Exception as exc:  # noqa: BLE001 - the controller then prices steps as measured
+                logger.warning("vllm-usd: timing the target at start-up failed (%s); steps are priced as measured",
+                               exc)
+        if compat.tp_any(not target):  # every rank goes on alike
             target = ()
         return StartupTimings(target=compat.tp_broadcast_from_rank0(target), drafter=drafter)
 
@@ -220,10 +224,12 @@ class UniversalProposer:
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
         batch = num_rows - sampled_token_ids.count([])  # decoding rows
-        length = self._choose_length(started, sampled_token_ids, batch)
+        length, failure = self._choose_length(started, sampled_token_ids, batch)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
-        parts, qs, failure = [], None, None
+        parts, qs = [], None
         try:
+            if failure is not None:
+                raise failure
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
             rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, length)
@@ -237,25 +243,38 @@ class UniversalProposer:
             drafts = [[] for _ in range(num_rows)]
         elif parts:
             self._record(parts, qs)
+        if not any(drafts):  # the cycle this step opens is a plain one, whatever length it was given
+            self._length = 0
         self.failures.check_graph_capture(self.runtime)
         self._last_end = time.perf_counter()
         self.timer.add("propose_total", self._last_end - started)
         return drafts
 
-    def _choose_length(self, started: float, sampled_token_ids: list[list[int]], batch: int) -> int:
+    def _choose_length(self, started: float, sampled_token_ids: list[list[int]],
+                       batch: int) -> tuple[int, Exception | None]:
         """Tell the controller what the step that just ran did (the cycle it closed, its acceptance),
-        take rank 0's measured costs where due, and return this step's length. Every rank calls this at
-        every step (the share is a collective), and chooses alike."""
-        so, controller = self._scheduler_output, self.controller
-        if self._last_start is not None and compat.decode_step_tokens(so) is not None:
-            controller.record_cycle(batch, self._length, started - self._last_start)
+        take rank 0's measured costs where due, and return this step's length (and what failed, if
+        anything: the step then drafts nothing, on every rank). Every rank shares at every step (a
+        collective), whatever failed before it, and chooses alike."""
+        so, controller, failure = self._scheduler_output, self.controller, None
+        try:
+            if self._last_start is not None and compat.decode_step_tokens(so) is not None:
+                controller.record_cycle(batch, self._length, started - self._last_start)
+            if self._runner is not None:
+                controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)),
+                                   sampled_token_ids)
+        except Exception as exc:  # noqa: BLE001 - counted as the step's failure; the share must still happen
+            failure = exc
         self._last_start = started
-        if self._runner is not None:
-            controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)), sampled_token_ids)
         controller.share(compat.tp_broadcast_from_rank0)
-        self._length = controller.length(batch) if batch else 0
-        self.failures.set_lengths(controller.lengths())
-        return self._length
+        self._length = 0
+        if failure is None and batch:
+            try:
+                self._length = controller.length(batch)
+                self.failures.set_lengths(controller.lengths())
+            except Exception as exc:  # noqa: BLE001 - as above
+                failure = exc
+        return self._length, failure
 
     def _sync_requests(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        token_ids: np.ndarray, length: int) -> tuple[DraftRows, list[int]]:

@@ -1,7 +1,8 @@
 """The target's forward, timed at start-up at a few token counts, for the draft-length controller.
 
 vLLM calls the proposer's ``load_model`` with the loaded target before it profiles memory and
-allocates its KV cache. The forwards here run then, on dummy ids with no attention metadata
+allocates its KV cache. Where the target runs eagerly (``enforce_eager``; a compiled target is
+first run by vLLM's own warm-up, so it is not timed here) the forwards here run then, on dummy ids with no attention metadata
 (as vLLM's own profiling run does): the weights' and the logits' cost, not attention over
 a KV cache, which the controller's measured cycles correct. Every tensor-parallel rank runs
 the same forwards (their collectives must meet); rank 0's times are the ones used.
@@ -32,8 +33,9 @@ def token_counts(max_tokens: int) -> list[int]:
 
 
 def time_target(model: Any, vllm_config: Any, counts: Sequence[int]) -> tuple[tuple[int, float], ...]:
-    """(tokens, median seconds of a forward with logits for every token) per count; () where the
-    model cannot be run this way (the controller then measures while serving only)."""
+    """(tokens, median seconds of a forward with logits for every token) per count; () for a model
+    without parameters. Raises where vLLM's forward context or the model refuses the call (the caller
+    then prices steps as measured)."""
     from vllm.forward_context import set_forward_context
 
     try:
