@@ -240,13 +240,12 @@ def test_adaptive_counters_count_only_what_was_drafted(usd_adaptive):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_adaptive_sampling_distribution_unchanged(baseline, usd_adaptive, setting):
     p = homogeneity_pvalue(baseline[setting], usd_adaptive[setting])
-    assert p >= ALPHA, f"USD with adaptive lengths changed the output distribution ({setting}): p = {p:.2e}"
-    lengths = _lengths(usd_adaptive["stats"])
-    assert len([n for n in range(1, 4) if lengths.get(n)]) >= 2, lengths
+    assert p >= ALPHA, f"USD with ragged drafts changed the output distribution ({setting}): p = {p:.2e}"
+    assert usd_adaptive["stats"]["counters"].get("confidence_cut_rows", 0) > 0, "the stop cut no sampled row's drafts"
 
 
 def test_adaptive_planted_bug_is_caught(pair, baseline):
-    """Adaptive lengths must not hide a wrong q: q on the wrong ids is still rejected."""
+    """Ragged drafts (the confidence stop) must not hide a wrong q: q on the wrong ids is still rejected."""
     target, drafter = pair
     with engine(target, drafter=drafter, k=3, max_num_seqs=32, usd=ADAPTIVE, proposer=ScrambleQProposer) as llm:
         samples = _samples(llm, "t1")

@@ -322,6 +322,8 @@ class UniversalProposer:
             tli_rows, tli_lengths = (rows.subset(tli), [lengths[i] for i in tli]) if by_text else (rows, lengths)
             batch = self.strategy.draft(tli_rows, self._draft_salt(), tli_lengths)
             parts.append((tli_rows, batch.target_ids))
+            cut = sum(len(ids) < n for ids, n in zip(batch.target_ids, tli_lengths))  # by the confidence stop
+            self.counters["confidence_cut_rows"] += cut
         return parts, batch
 
     def _hand_over(self, parts: list[tuple[DraftRows, list[list[int]]]], batch: DraftBatch | None,
