@@ -140,7 +140,7 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
     target, drafter = pair
     from vllm_usd.vllm_adapter.failures import LENGTH_METRIC
 
-    usd = {"debug_digests": True, "confidence_stop": 0.3}
+    usd = {"debug_digests": True, "adaptive_length": True, "confidence_stop": 0.3}  # tests/engines pins it off
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
                 distributed_executor_backend="mp", env=_bind_env(), usd=usd, proposer=SlowTargetProposer) as llm:
@@ -152,8 +152,10 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
         stats = llm.collective_rpc(proposer_stats)
         gauge = {(m.labels["batch"], m.labels["rank"]): m.value for m in llm.get_metrics() if m.name == LENGTH_METRIC}
     assert out == tp1_plain["greedy"]
-    assert gauge and all(gauge.get((batch, "1")) == n for (batch, rank), n in gauge.items() if rank == "0"), gauge
     controllers = [s["controller"] for s in stats]
+    # the gauge's series for this engine (earlier engines' stay in the metrics folder): rank 0's lengths
+    assert controllers[0]["lengths"] and all(gauge.get((batch, "0")) == n
+                                             for batch, n in controllers[0]["lengths"].items()), gauge
     assert controllers[0]["startup_timings"]["drafter"] and controllers[0]["cost_scale"], controllers[0]
     assert controllers[0] == controllers[1], controllers
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]
