@@ -74,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p["text"] for p in load_prompts()[0]]
     settings = [(t, b) for t in args.temperatures for b in args.batch_sizes]
     usd = json.loads(args.usd)
-    systems = {"plain": {}, "usd": speculative_args(drafter=spec.drafter, k=args.k, profile=True, **usd)}
+    drafter = usd.pop("drafter", spec.drafter)  # --usd may name another drafter than the pair's
+    systems = {"plain": {}, "usd": speculative_args(drafter=drafter, k=args.k, profile=True, **usd)}
     if args.with_fixed:
-        systems["fixed"] = speculative_args(drafter=spec.drafter, k=args.k, profile=True,
+        systems["fixed"] = speculative_args(drafter=drafter, k=args.k, profile=True,
                                             **{**usd, "adaptive_length": False})
     for variant in args.variant:
         name, _, settings_json = variant.partition("=")
         settings_of = {**usd, **json.loads(settings_json)}  # "drafter" here replaces the pair's
-        systems[name] = speculative_args(drafter=settings_of.pop("drafter", spec.drafter), k=args.k, profile=True,
+        systems[name] = speculative_args(drafter=settings_of.pop("drafter", drafter), k=args.k, profile=True,
                                          **settings_of)
     if args.control:
         systems["control"] = json.loads(args.control_engine)
