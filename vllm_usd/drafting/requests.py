@@ -184,33 +184,21 @@ class RequestTable:
 
     def collect(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                 token_ids: np.ndarray, sampling: Callable[[str], RequestSampling],
-                length_of: Callable[[str, RequestState], int]) -> tuple[DraftRows, list[int]]:
-        """The rows that get drafts this step, their contexts brought up to date, and their lengths.
-
-        ``length_of`` chooses a row's length (0..k). A known request it gives 0 is left as it is:
-        its context catches up, in one feed, the next time it drafts (the drafter's cache
-        is compared from the first token that may differ, so nothing else needs keeping).
-        """
+                length: int) -> tuple[DraftRows, list[int]]:
+        """The rows that get ``length`` (1..k) drafts this step, their contexts brought up to date,
+        and their lengths. A request left out of a step (the step's length 0) is left as it is: its
+        context catches up, in one feed, the next time it drafts (the drafter's cache is compared
+        from the first token that may differ, so nothing else needs keeping)."""
         out, lengths = DraftRows(), []
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 continue  # a prefill chunk in progress: no draft this step
             req_id = req_ids[i]
-            known_state = self._states.get(req_id)
-            length = None
-            if known_state is not None and req_id not in self._undraftable:
-                length = length_of(req_id, known_state)
-                if length == 0:
-                    continue
             n = int(num_tokens[i])
             synced = self.sync(req_id, n, token_ids[i], lambda: sampling(req_id))
             if synced is None:
                 continue
             state, seq, known = synced
-            if length is None:  # a request seen for the first time (or rebuilt): its state exists now
-                length = length_of(req_id, state)
-                if length == 0:
-                    continue
             lengths.append(length)
             out.rows.append(i)
             out.req_ids.append(req_id)

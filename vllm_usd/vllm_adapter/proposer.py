@@ -290,7 +290,7 @@ class UniversalProposer:
         with self.timer.phase("translate"):
             rows, lengths = self.requests.collect(compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
                                                   token_ids, lambda req_id: compat.request_sampling(runner, req_id),
-                                                  lambda req_id, state: length)
+                                                  length)
         self.counters[f"length_{length}"] += len(lengths)
         return rows.longest_first(lengths)
 
