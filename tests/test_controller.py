@@ -4,6 +4,7 @@ from the stated rule (most expected tokens per second), not read from the code."
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -161,3 +162,15 @@ def test_the_outlook_and_summary_say_why_at_each_batch_size():
     assert len(lines) == 2 and lines[0].startswith("batch 1: length 3 last; best 3") and \
         lines[1].startswith("batch 4-7: length 0 last; best 0")
     assert all("start-up estimate" in line for line in lines)
+
+
+def test_a_bucket_that_drafts_nothing_prices_exploring_with_the_drafters_catch_up():
+    """Rows left at length 0 for a while: the first drafted step feeds the drafter all they missed. 480
+    tokens missed are priced as a one-token step of 480 rows (TIMINGS: 10 ms a row, 4.8 s), so at batch 4
+    (best 0, a plain cycle 0.1 s) length 1 (0.24 s) is tried after 32 x (0.24 + 4.8) / 0.1 steps, not 32 x 2.4."""
+    c = _accepting(4)
+    chosen = [c.length(4, 480) for _ in range(2000)]
+    assert chosen.count(0) == len(chosen) - 1, "one step explored in 2000"
+    assert chosen.index(1) + 1 == math.ceil(EXPLORE_EVERY * (0.24 + 4.8) / 0.1), chosen.index(1)
+    fresh = _accepting(4)
+    assert [fresh.length(4) for _ in range(2000)].index(1) + 1 == math.ceil(EXPLORE_EVERY * 0.24 / 0.1)

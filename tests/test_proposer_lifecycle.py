@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +43,27 @@ def test_greedy_batch_drafts_k_shared_tokens_and_no_q(pair):
         assert len(d) == 3 and set(d) <= shared
     assert p.take_last_draft_probs() is None, "all-greedy batches hand no q"
     assert p.num_request_states == 2 and p.runtime.num_requests == 2
+
+
+def test_missed_tokens_count_what_the_drafter_would_catch_up_on(pair):
+    """Beyond the k + 1 tokens a drafting row gains a step: a new request's whole prompt, none right after a
+    drafted step, then what the request gained while it drafted nothing (the controller prices exploring
+    with it)."""
+    p = _proposer(pair)  # k = 3
+    runner = FakeRunner()
+    prompt = _prompt(pair, " the keeper of the small house by the river")
+    runner.add("a", prompt)
+
+    def missed() -> int:
+        ids = runner.input_batch.req_ids
+        return p.requests.missed_tokens(ids, [runner.history[r][-1:] for r in ids],
+                                        np.array([len(runner.history[r]) for r in ids]))
+
+    assert missed() == len(prompt) - 4 > 0
+    runner.step(p, {})
+    assert missed() == 0
+    runner.history["a"].extend(prompt[:10])
+    assert missed() == 10 - 4
 
 
 def test_sampled_rows_get_q_aligned_with_the_batch(pair):

@@ -22,7 +22,10 @@ A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``,
 the plain step's cost). Ties go to the shorter length. Now and then a step takes another
 length instead, the one measured least recently (never measured first, the shorter on a tie),
 so that a length that looked worse is measured again: in each bucket, once the steps since its last such
-step number ``EXPLORE_EVERY`` times that length's cost over the best's. A step at another length
+step number ``EXPLORE_EVERY`` times that length's cost over the best's. That cost includes the
+drafter catching up on the tokens its rows missed while they drafted nothing (priced as one-token
+forwards of that many rows, which overstates a prefill): in a bucket left at length 0, the first
+drafted step feeds the drafter every row's context since it last drafted. A step at another length
 costs at most its cost over the best's more than a best step, so exploring takes at most about
 1/``EXPLORE_EVERY`` of a bucket's time (a length 4x dearer is tried once in 4 x 32 steps).
 
@@ -81,6 +84,11 @@ class StartupTimings:
             return 1.0
         drafter = interpolate(self.drafter, batch) if self.drafter else 0.0
         return max(interpolate(self.target, batch * (1 + length)) + length * drafter, 1e-9)
+
+    def catch_up(self, tokens: int) -> float:
+        """The drafter's forward over ``tokens`` missed tokens, priced as a one-token step of that many
+        rows (0 where either side was not timed: there is no unit to price it in)."""
+        return interpolate(self.drafter, tokens) if tokens > 0 and self.target and self.drafter else 0.0
 
 
 class _Acceptance:
@@ -159,8 +167,9 @@ class DraftLengthController:
         """Expected tokens per second per row at each length 0..k."""
         return [self.expected_tokens(n) / self.cost(batch, n) for n in range(self.k + 1)]
 
-    def length(self, batch: int) -> int:
-        """This step's length for every row of a ``batch``-row step."""
+    def length(self, batch: int, catch_up: int = 0) -> int:
+        """This step's length for every row of a ``batch``-row step whose drafter contexts lack
+        ``catch_up`` tokens beyond what a drafted step feeds anyway."""
         b = bucket(batch)
         rates = self.rates(batch)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
@@ -168,7 +177,8 @@ class DraftLengthController:
                     key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
         self._since_explore[b] += 1
         chosen = best
-        if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
+        exploring = self.cost(batch, other) + (self.timings.catch_up(catch_up) if other else 0.0)
+        if self._since_explore[b] >= EXPLORE_EVERY * exploring / self.cost(batch, best):
             self._since_explore[b], chosen = 0, other
         self.current[b] = chosen
         return chosen
@@ -228,7 +238,7 @@ class FixedLength:
     def share(self, broadcast: Callable[[object], object]) -> None:
         pass
 
-    def length(self, batch: int) -> int:
+    def length(self, batch: int, catch_up: int = 0) -> int:
         return self.k
 
     def outlook(self, batches: Sequence[int]) -> str:
