@@ -48,17 +48,6 @@ def test_doctor_json_on_the_installed_vllm():
     assert [b["name"] for b in report["known_bugs"]][:1] == ["cpu_expand_bug"] and report["known_bugs"][0]["applies"]
 
 
-def test_doctor_text_on_the_installed_vllm():
-    res = _doctor()
-    assert res.returncode == 0, res.stderr[-2000:]
-    lines = res.stdout.splitlines()
-    assert lines[0].startswith("vLLM: 0.32.0 (installed")
-    assert "patch runner_hook: matches vLLM 0.32.0" in lines and "patch frontend_check: matches vLLM 0.32.0" in lines
-    assert any(line.startswith("vllm-usd: active") for line in lines)
-    assert any(line.startswith("drafter device: cpu") for line in lines)
-    assert any(line.startswith("known bug cpu_expand_bug: measured") for line in lines)
-
-
 def test_doctor_refuses_an_altered_source_tree_without_importing_it(tmp_path):
     tree = vllm_sources.copy_installed(tmp_path / "src")
     runner = tree / "vllm/v1/worker/gpu_model_runner.py"
@@ -144,3 +133,37 @@ def test_doctor_shows_the_drafters_probe_verdict(real_pair, tmp_path):
     assert report["probe"]["cached"] is True and report["probe"]["settings"]["extra_buffer_types"] is True
     assert report["probe"]["attempts"][0]["buffer_types"] is not None
     assert report["probe"]["cache_file"] in lines[-1]
+
+
+@pytest.mark.engine
+def test_doctor_text_with_a_target_prints_the_startup_measurements():
+    """The text report; with ``--target``, vLLM starts with the pair, and the proposer's start-up line comes back: the drafter's
+    step, a batch-1 cycle with and without drafts (timed, so drafting 3 costs more than not drafting),
+    and one verdict per batch-size bucket up to --max-num-seqs (4: buckets 1, 2-3, 4-7)."""
+    from tests.fixtures import tiny
+
+    target, drafter = tiny.tiny_pair("bpe", "sp")
+    res = _doctor("--drafter", drafter, "--target", target, "-k", "3", "--max-num-seqs", "4")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    # the installed vLLM's report comes first, as without --drafter and --target
+    assert lines[0].startswith("vLLM: 0.32.0 (installed")
+    assert "patch runner_hook: matches vLLM 0.32.0" in lines and "patch frontend_check: matches vLLM 0.32.0" in lines
+    assert any(line.startswith("vllm-usd: active") for line in lines)
+    assert any(line.startswith("drafter device: cpu") for line in lines)
+    assert any(line.startswith("known bug cpu_expand_bug: measured") for line in lines)
+    head = lines.index(f"with target {target} (float32, eager, up to 4 sequences):")
+    m = re.fullmatch(r"  vllm-usd: drafter on (\w+) \(([\w/]+)\), a step at batch 1: ([\d.]+) ms; a cycle at batch 1: "
+                     r"([\d.]+) ms without drafts, ([\d.]+) ms with 3 \(start-up timing\); at acceptance "
+                     r"[\d.]+/[\d.]+/[\d.]+ until measured, drafting pays at batch (.+)", lines[head + 1])
+    assert m, lines[head + 1]
+    drafter_ms, plain_ms, drafted_ms = (float(m.group(i)) for i in (3, 4, 5))
+    assert 0 < drafter_ms and 0 < plain_ms < drafted_ms, lines[head + 1]
+    verdicts = m.group(6).split("; ")
+    assert [v.split(": ")[0] for v in verdicts] == ["1", "2-3", "4-7"], verdicts
+    assert all(re.fullmatch(r"[\d-]+: (yes, [123] drafts [\d.]+x|no \([123] drafts [\d.]+x\))", v) for v in verdicts)
+
+
+def test_doctor_target_needs_a_drafter():
+    res = _doctor("--target", "some/model")
+    assert res.returncode == 2 and "doctor --target needs --drafter" in res.stderr, res.stderr[-1000:]

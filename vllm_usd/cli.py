@@ -140,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_dr.add_argument("--drafter-gguf", metavar="FILE", help="as usd.drafter_gguf")
     p_dr.add_argument("--drafter-gguf-type", default="auto", help="as usd.drafter_gguf_type")
     p_dr.add_argument("--drafter-runtime", default="auto", help="as usd.drafter_runtime")
+    p_dr.add_argument("--target", metavar="MODEL",
+                      help="with --drafter: start vLLM with both (about a minute) and print the start-up "
+                           "measurements: a cycle at batch 1 with and without drafts, where drafting pays")
+    p_dr.add_argument("-k", "--num-speculative-tokens", type=int, default=3, help="with --target")
+    p_dr.add_argument("--max-num-seqs", type=int, default=32, help="with --target: the largest batch judged")
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
@@ -147,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.target and not args.drafter:
+            parser.error("doctor --target needs --drafter")
         report = diagnose(args.vllm_source)
         text = format_report(report)
         if args.drafter:
@@ -159,6 +166,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(str(exc), file=sys.stderr)
                 return 2
             text += "\n" + format_drafter(report["drafter"])
+        if args.target:
+            from vllm_usd.bench.vllm_systems import EngineStartError
+            from vllm_usd.vllm_adapter.doctor import startup_report
+
+            usd = {key: value for key, value in (("drafter_gguf", args.drafter_gguf),
+                                                 ("drafter_gguf_type", args.drafter_gguf_type),
+                                                 ("drafter_runtime", args.drafter_runtime)) if value not in (None, "auto")}
+            try:
+                report["startup"] = startup_report(args.target, args.drafter, args.num_speculative_tokens,
+                                                   args.max_num_seqs, usd)
+            except EngineStartError as exc:  # vLLM's root cause, in one line
+                print(f"vllm-usd doctor: vLLM did not start with target {args.target}: {exc}", file=sys.stderr)
+                return 2
+            text += f"\nwith target {args.target} (float32, eager, up to {args.max_num_seqs} sequences):\n  " + \
+                str(report["startup"]["line"])
         print(json.dumps(report, indent=2) if args.json else text)
         return 0 if report["supported"] else 1
     if args.command == "bench":

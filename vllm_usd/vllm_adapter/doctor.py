@@ -151,6 +151,20 @@ def drafter_report(drafter: str, *, gguf: str | None = None, gguf_type: str = "a
     return report
 
 
+def startup_report(target: str, drafter: str, k: int, max_num_seqs: int,
+                   usd: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start vLLM with ``target`` and ``drafter`` as the benchmarks do (float32, eager) and return what the
+    proposer measured at start-up: its one line, and the controller's timings."""
+    from vllm_usd.bench.vllm_systems import engine
+    from vllm_usd.config import speculative_args
+    from vllm_usd.vllm_adapter.debug import proposer_stats
+
+    with engine(target, max_num_seqs, speculative_args(drafter=drafter, k=k, **(usd or {}))) as llm:
+        stats = llm.collective_rpc(proposer_stats)[0] or {}
+    return {"target": target, "k": k, "max_num_seqs": max_num_seqs, "line": stats.get("startup"),
+            "startup_timings": (stats.get("controller") or {}).get("startup_timings")}
+
+
 def _kv_bytes_per_token(config: Any, choice: Any) -> int:
     from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT
     from vllm_usd.drafter.select import kv_bytes_per_token

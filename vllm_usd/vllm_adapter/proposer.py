@@ -99,6 +99,7 @@ class UniversalProposer:
         # timed in load_model; until then (and without adaptive_length) the controller prices nothing
         self.controller: DraftLengthController | FixedLength = (
             DraftLengthController(self.k) if cfg.adaptive_length else FixedLength(self.k))
+        self.startup_line = ""  # load_model's one line (stats()["startup"])
         self._length = 0  # the length the current step's rows got (the next cycle's key)
         self.rank = compat.tp_rank()
         self.failures = FailureCounts(self.rank)
@@ -157,17 +158,25 @@ class UniversalProposer:
         is allocated here in full (``drafter_memory.py``), and the target and drafter are timed for
         the draft-length controller."""
         logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer))
-        if not self.config.adaptive_length:
-            return
-        timings = self._startup_timings(target_model)
-        self.controller = DraftLengthController(self.k, timings)
+        if self.config.adaptive_length:
+            self.controller = DraftLengthController(self.k, self._startup_timings(target_model))
+        self.startup_line = self._startup_line()
+        logger.info("%s", self.startup_line)
+
+    def _startup_line(self) -> str:
+        """What the user reads at start-up (and ``doctor --target`` prints): the drafter's runtime, format
+        and batch-1 step, a batch-1 cycle with and without drafts, and where drafting is expected to pay."""
+        drafter = f"vllm-usd: drafter on {self.choice.runtime} ({self.choice.dtype})"
+        timings = getattr(self.controller, "timings", None)
+        if timings is None:  # adaptive_length false: nothing was timed
+            return f"{drafter}; {self.controller.outlook(())}"
         drafter_ms = f"{timings.drafter[0][1] * 1e3:.1f} ms" if timings.drafter else "not timed"
         cycle_ms = [f"{timings.estimate(1, n) * 1e3:.1f} ms" if timings.target else "not timed" for n in (0, self.k)]
         batches = [1 << b for b in range(compat.max_num_seqs(self.vllm_config).bit_length())]
-        logger.info("vllm-usd: drafter on %s (%s), a step at batch 1: %s; a cycle at batch 1: %s without drafts, "
-                    "%s with %d (start-up timing); at acceptance %s until measured, %s",
-                    self.choice.runtime, self.choice.dtype, drafter_ms, *cycle_ms, self.k,
-                    "/".join(f"{a:.2f}" for a in self.controller.acceptance.rates()), self.controller.outlook(batches))
+        return (f"{drafter}, a step at batch 1: {drafter_ms}; a cycle at batch 1: {cycle_ms[0]} without drafts, "
+                f"{cycle_ms[1]} with {self.k} (start-up timing); at acceptance "
+                + "/".join(f"{a:.2f}" for a in self.controller.acceptance.rates())
+                + f" until measured, {self.controller.outlook(batches)}")
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
         self._runner = runner
@@ -204,6 +213,7 @@ class UniversalProposer:
             "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
             "failures": dict(self.failures.by_reason),
             "native_settings": dataclasses.asdict(self.choice.native) if self.choice.native else None,
+            "startup": self.startup_line,
             "controller": self.controller.state(),
             "controller_summary": self.controller.summary(),
         }
@@ -224,7 +234,7 @@ class UniversalProposer:
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
         batch = num_rows - sampled_token_ids.count([])  # decoding rows
-        length, failure = self._choose_length(started, sampled_token_ids, batch)
+        length, failure = self._choose_length(started, sampled_token_ids, num_tokens_no_spec, batch)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         parts, qs = [], None
         try:
@@ -250,7 +260,7 @@ class UniversalProposer:
         self.timer.add("propose_total", self._last_end - started)
         return drafts
 
-    def _choose_length(self, started: float, sampled_token_ids: list[list[int]],
+    def _choose_length(self, started: float, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        batch: int) -> tuple[int, Exception | None]:
         """Tell the controller what the step that just ran did (the cycle it closed, its acceptance),
         take rank 0's measured costs where due, and return this step's length (and what failed, if
@@ -270,7 +280,9 @@ class UniversalProposer:
         self._length = 0
         if failure is None and batch:
             try:
-                self._length = controller.length(batch)
+                missed = self.requests.missed_tokens(compat.runner_req_ids(self._runner), sampled_token_ids,
+                                                     num_tokens) if self._runner is not None else 0
+                self._length = controller.length(batch, missed)
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
