@@ -154,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.target and not args.drafter:
             parser.error("doctor --target needs --drafter")
+        if args.target:  # vLLM's start-up logs (on stdout) at WARNING and above, before vLLM is imported
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         report = diagnose(args.vllm_source)
         text = format_report(report)
         if args.drafter:
