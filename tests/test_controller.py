@@ -168,9 +168,18 @@ def test_a_bucket_that_drafts_nothing_prices_exploring_with_the_drafters_catch_u
     """Rows left at length 0 for a while: the first drafted step feeds the drafter all they missed. 480
     tokens missed are priced as a one-token step of 480 rows (TIMINGS: 10 ms a row, 4.8 s), so at batch 4
     (best 0, a plain cycle 0.1 s) length 1 (0.24 s) is tried after 32 x (0.24 + 4.8) / 0.1 steps, not 32 x 2.4."""
-    c = _accepting(4)
-    chosen = [c.length(4, 480) for _ in range(2000)]
+    c, asked = _accepting(4), []
+
+    def missed() -> int:
+        asked.append(len(chosen) + 1)  # the step asking
+        return 480
+
+    chosen: list[int] = []
+    for _ in range(2000):
+        chosen.append(c.length(4, missed))
     assert chosen.count(0) == len(chosen) - 1, "one step explored in 2000"
     assert chosen.index(1) + 1 == math.ceil(EXPLORE_EVERY * (0.24 + 4.8) / 0.1), chosen.index(1)
+    plain_due = math.ceil(EXPLORE_EVERY * 0.24 / 0.1)
+    assert asked[0] == plain_due, "the rows are counted only once exploring is otherwise due"
     fresh = _accepting(4)
-    assert [fresh.length(4) for _ in range(2000)].index(1) + 1 == math.ceil(EXPLORE_EVERY * 0.24 / 0.1)
+    assert [fresh.length(4) for _ in range(2000)].index(1) + 1 == plain_due

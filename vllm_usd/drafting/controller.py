@@ -167,9 +167,10 @@ class DraftLengthController:
         """Expected tokens per second per row at each length 0..k."""
         return [self.expected_tokens(n) / self.cost(batch, n) for n in range(self.k + 1)]
 
-    def length(self, batch: int, catch_up: int = 0) -> int:
-        """This step's length for every row of a ``batch``-row step whose drafter contexts lack
-        ``catch_up`` tokens beyond what a drafted step feeds anyway."""
+    def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:
+        """This step's length for every row of a ``batch``-row step. ``missed()``: the tokens its rows'
+        drafter contexts lack beyond what a drafted step feeds anyway (called only once exploring is
+        otherwise due: it can only delay it)."""
         b = bucket(batch)
         rates = self.rates(batch)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
@@ -177,8 +178,10 @@ class DraftLengthController:
                     key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
         self._since_explore[b] += 1
         chosen = best
-        exploring = self.cost(batch, other) + (self.timings.catch_up(catch_up) if other else 0.0)
-        if self._since_explore[b] >= EXPLORE_EVERY * exploring / self.cost(batch, best):
+        due = EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
+        if self._since_explore[b] >= due and other:
+            due += EXPLORE_EVERY * self.timings.catch_up(missed()) / self.cost(batch, best)
+        if self._since_explore[b] >= due:
             self._since_explore[b], chosen = 0, other
         self.current[b] = chosen
         return chosen
@@ -238,7 +241,7 @@ class FixedLength:
     def share(self, broadcast: Callable[[object], object]) -> None:
         pass
 
-    def length(self, batch: int, catch_up: int = 0) -> int:
+    def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:
         return self.k
 
     def outlook(self, batches: Sequence[int]) -> str:

@@ -280,9 +280,9 @@ class UniversalProposer:
         self._length = 0
         if failure is None and batch:
             try:
-                missed = self.requests.missed_tokens(compat.runner_req_ids(self._runner), sampled_token_ids,
-                                                     num_tokens) if self._runner is not None else 0
-                self._length = controller.length(batch, missed)
+                runner = self._runner
+                self._length = controller.length(batch, lambda: self.requests.missed_tokens(
+                    compat.runner_req_ids(runner), sampled_token_ids, num_tokens) if runner is not None else 0)
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
