@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", default="gemma3-smollm2")
     parser.add_argument("--drafter", help="another drafter than the pair's (e.g. a Hugging Face folder)")
     parser.add_argument("-k", type=int, default=3, help="drafted every step (adaptive_length false)")
+    parser.add_argument("--usd", default="{}", help="usd settings over those, JSON (e.g. '{\"adaptive_length\": true}')")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = pair_specs([args.pair])[0]
     prompts = [p["text"] for p in load_prompts()[0]][:4]
     systems = {"plain": {}, f"usd_k{args.k}": speculative_args(drafter=args.drafter or spec.drafter, k=args.k,
-                                                               adaptive_length=False, profile=True)}
+                                                               **{"adaptive_length": False, "profile": True,
+                                                                  **json.loads(args.usd)})}
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(engine(spec.target, 1, extra)) for name, extra in systems.items()}
