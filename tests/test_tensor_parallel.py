@@ -150,13 +150,12 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
         llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
         rank0, rank1 = llm.collective_rpc(draft_digests)
         stats = llm.collective_rpc(proposer_stats)
-        gauge = {(m.labels["batch"], m.labels["rank"], m.value) for m in llm.get_metrics() if m.name == LENGTH_METRIC}
+        gauge = {(m.labels["batch"], m.labels["rank"]): m.value for m in llm.get_metrics() if m.name == LENGTH_METRIC}
     assert out == tp1_plain["greedy"]
     controllers = [s["controller"] for s in stats]
-    # rank 0's lengths are among the gauge's series (earlier engines' series, with the same labels and
-    # their own values, stay in the metrics folder, so a dict keyed by labels could show theirs)
-    assert controllers[0]["lengths"] and all((batch, "0", n) in gauge
-                                             for batch, n in controllers[0]["lengths"].items()), gauge
+    assert controllers[0]["lengths"], controllers[0]
+    for rank in ("0", "1"):  # each rank's series are this engine's (earlier engines' workers left theirs too)
+        assert {batch: n for (batch, r), n in gauge.items() if r == rank} == controllers[0]["lengths"], gauge
     assert controllers[0]["startup_timings"]["drafter"] and controllers[0]["cost_scale"], controllers[0]
     assert controllers[0] == controllers[1], controllers
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]

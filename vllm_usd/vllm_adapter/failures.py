@@ -103,24 +103,37 @@ class FailureCollector:
         gauge = GaugeMetricFamily(LENGTH_METRIC, "The draft length vllm-usd's controller chose last, per batch size",
                                   labels=["batch", "rank"])
         totals: Counter[tuple[str, str]] = Counter()
-        lengths: dict[tuple[str, str], int] = {}
-        folder = envs.metrics_dir()
-        for path in Path(folder).glob("*.json") if folder else ():
+        lengths: dict[str, dict[str, int]] = {}  # rank -> its newest worker's lengths by bucket
+        for path in _published_oldest_first():
             try:
                 published = json.loads(path.read_text())
                 for rank, reasons in published["failures"].items():
                     for reason, n in reasons.items():
                         totals[(reason, rank)] += int(n)
                 for rank, by_batch in published["lengths"].items():
-                    lengths.update({(batch, rank): int(n) for batch, n in by_batch.items()})
+                    lengths[rank] = {batch: int(n) for batch, n in by_batch.items()}
             except (OSError, ValueError, AttributeError, KeyError):
                 continue
         for (reason, rank), n in sorted(totals.items()):
             family.add_metric([reason, rank], n)
-        for (batch, rank), n in sorted(lengths.items()):
-            gauge.add_metric([batch, rank], n)
+        for rank, by_batch in sorted(lengths.items()):
+            for batch, n in sorted(by_batch.items()):
+                gauge.add_metric([batch, rank], n)
         yield family
         yield gauge
+
+
+def _published_oldest_first() -> list[Path]:
+    """The workers' files, oldest first: failures add up over every worker this process started, but
+    a rank's lengths are its newest worker's (an engine started after another replaces its lengths)."""
+    folder = envs.metrics_dir()
+    stamped = []
+    for path in Path(folder).glob("*.json") if folder else ():
+        try:
+            stamped.append((path.stat().st_mtime_ns, path.name, path))
+        except OSError:
+            continue  # a worker replaced it meanwhile
+    return [path for _, _, path in sorted(stamped)]
 
 
 def install_collector() -> None:
