@@ -131,8 +131,9 @@ def test_digests_catch_rank_local_randomness_at_tp2(pair):
 def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
     """The controller (the default) with the confidence stop on: only rank 0 times its drafter at
     start-up, each rank times its own target and cycles, but every rank takes rank 0's figures (the
-    timings differ between ranks), and so chooses the same lengths, drafts and q. The engine's steps
-    look 20 ms longer (SlowTargetProposer), so that drafting pays and the ranks have drafts to agree on."""
+    timings differ between ranks), and so chooses the same lengths, drafts and q. The target looks 20 ms
+    slower, at start-up and while serving (SlowTargetProposer), so that drafting pays and the ranks have
+    drafts to agree on."""
     from vllm import SamplingParams
 
     from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
