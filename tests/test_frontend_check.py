@@ -12,7 +12,7 @@ import pytest
 
 from tests.fakes import small_gguf, vllm_config
 from tests.fixtures import tiny
-from vllm_usd.vllm_adapter import frontend, patches
+from vllm_usd.vllm_adapter import compat, frontend, patches
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def test_other_speculative_methods_and_other_custom_classes_are_left_alone(pair)
     target, _ = pair
     frontend.check_engine_config(vllm_config(target, {"drafter": "/no/such"}, method="ngram"))
     frontend.check_engine_config(vllm_config(target, None, proposer="someone_else.Proposer"))
-    assert not frontend.wants_vllm_usd(vllm_config(target, None, proposer="someone_else.Proposer"))
-    assert frontend.wants_vllm_usd(vllm_config(target, None))  # vllm_usd's class without a usd section
+    assert not compat.wants_vllm_usd(vllm_config(target, None, proposer="someone_else.Proposer"))
+    assert compat.wants_vllm_usd(vllm_config(target, None))  # vllm_usd's class without a usd section
 
 
 @pytest.mark.parametrize("usd,k,proposer,match", [

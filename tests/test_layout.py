@@ -64,3 +64,62 @@ def test_the_drafting_folder_stays_within_1000_lines_and_10_numeric_constants():
     assert lines <= 1000, lines
     assert len(constants) <= 10, constants
     assert numeric.search("EXPLORE_EVERY = 32") and numeric.search("PRIOR = (1.0, 2.0)"), "power check"
+
+
+def _adapter_imports() -> dict[str, set[str]]:
+    """vllm_adapter module -> the vllm_adapter modules it imports anywhere (function bodies included)."""
+    import ast
+
+    folder = PACKAGE / "vllm_adapter"
+    modules = {f.stem for f in _sources(folder) if f.stem != "__init__"}
+    edges: dict[str, set[str]] = {}
+    for name in modules:
+        found = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "vllm_usd.vllm_adapter":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm_usd.vllm_adapter."):
+                found.add(node.module.rsplit(".", 1)[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.rsplit(".", 1)[1] for a in node.names if a.name.startswith("vllm_usd.vllm_adapter.")}
+        edges[name] = found & modules - {name}
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as a path that ends where it starts; None when there is none."""
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        for nxt in sorted(edges.get(node, ())):
+            found = visit(nxt, path + [node])
+            if found:
+                return found
+        return None
+
+    for start in sorted(edges):
+        found = visit(start, [])
+        if found:
+            return found
+    return None
+
+
+def test_no_import_circle_in_the_vllm_adapter():
+    """Issue 38: patches.py knew the front end, which knew the proposer, which knew patches.py."""
+    edges = _adapter_imports()
+    assert edges["proposer"] >= {"patches", "compat"}, "power check: the walk sees top-level imports"
+    assert "failures" in edges["frontend"], "power check: the walk sees imports inside functions"
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"], "power check"
+    assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+
+
+def test_each_adapter_module_imports_on_its_own():
+    import subprocess
+    import sys
+
+    code = "import importlib, sys; importlib.import_module('vllm_usd.vllm_adapter.' + sys.argv[1])"
+    procs = {name: subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, cwd=PACKAGE.parent)
+             for name in sorted(_adapter_imports())}
+    failed = {name: p.communicate()[1].strip().splitlines()[-1:] for name, p in procs.items()}
+    assert not {name: err for name, err in failed.items() if procs[name].returncode}, failed

@@ -42,6 +42,59 @@ def variant_name(file_name: str | None) -> str:
     return file_name.removeprefix("libggml-cpu-").removesuffix(".so")
 
 
+# -- which variants to build: ggml's x86-64 list and score, read from /proc/cpuinfo --------------
+# ggml's feature -> the /proc/cpuinfo flags it checks (ggml-cpu/arch/x86/cpu-feats.cpp), and the
+# score each adds (the same bits, so the order matches the probe's, which asks ggml itself).
+_X86_FEATURES = {
+    "FMA": (("fma",), 1), "F16C": (("f16c",), 1 << 1), "SSE42": (("sse4_2",), 1 << 2),
+    "BMI2": (("bmi2",), 1 << 3), "AVX": (("avx",), 1 << 4), "AVX2": (("avx2",), 1 << 5),
+    "AVX_VNNI": (("avx_vnni",), 1 << 6),
+    "AVX512": (("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"), 1 << 7),
+    "AVX512_VBMI": (("avx512vbmi",), 1 << 8), "AVX512_BF16": (("avx512_bf16",), 1 << 9),
+    "AVX512_VNNI": (("avx512_vnni",), 1 << 10), "AMX_TILE": (("amx_tile",), 0), "AMX_INT8": (("amx_int8",), 1 << 11),
+}
+_BASE = ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2")
+# GGML_CPU_ALL_VARIANTS on x86-64 Linux (ggml/src/CMakeLists.txt of llama-cpp-python 0.3.36)
+X86_VARIANTS: dict[str, tuple[str, ...]] = {
+    "x64": (), "sse42": ("SSE42",), "sandybridge": ("SSE42", "AVX"), "ivybridge": ("SSE42", "AVX", "F16C"),
+    "piledriver": ("SSE42", "AVX", "F16C", "FMA"), "haswell": _BASE, "skylakex": _BASE + ("AVX512",),
+    "cannonlake": _BASE + ("AVX512", "AVX512_VBMI"), "cascadelake": _BASE + ("AVX512", "AVX512_VNNI"),
+    "icelake": _BASE + ("AVX512", "AVX512_VBMI", "AVX512_VNNI"),
+    "cooperlake": _BASE + ("AVX512", "AVX512_VNNI", "AVX512_BF16"),
+    "zen4": _BASE + ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"),
+    "alderlake": _BASE + ("AVX_VNNI",),
+    "sapphirerapids": _BASE + ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8"),
+}
+
+
+def x86_score(variant: str, flags: set[str]) -> int:
+    """ggml's score of an x86-64 ``variant`` on a CPU with these /proc/cpuinfo ``flags`` (0: cannot run)."""
+    score = 1
+    for feature in X86_VARIANTS[variant]:
+        needs, bit = _X86_FEATURES[feature]
+        if not flags.issuperset(needs):
+            return 0
+        score += bit
+    return score
+
+
+def variants_to_build(flags: set[str] | None = None, machine: str | None = None) -> list[str]:
+    """The CPU variants a portable build for this host needs: the two ggml scores best here.
+
+    The native probe only ever tries those two (``native_probe.candidates``), so the other twelve
+    are build time for nothing. [] where the host is not x86-64: build every variant.
+    """
+    import platform
+
+    if (machine or platform.machine()) not in ("x86_64", "AMD64"):
+        return []
+    if flags is None:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    scores = {name: x86_score(name, flags) for name in X86_VARIANTS}
+    return sorted((n for n, s in scores.items() if s > 0), key=lambda n: (-scores[n], n))[:2]
+
+
 def build_id(libdir: Path) -> str:
     """What identifies the build: every shared library's name, size and time (a rebuild changes them)."""
     h = hashlib.sha256()

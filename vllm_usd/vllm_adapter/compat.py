@@ -94,6 +94,17 @@ def speculative_method_and_class(vllm_config) -> tuple[str | None, str | None]:
     return getattr(spec, "method", None), getattr(spec, "model", None)
 
 
+def wants_vllm_usd(vllm_config) -> bool:
+    """A ``custom_class`` proposer with a ``usd`` section, or a class path inside vllm_usd."""
+    from vllm_usd.config import CONFIG_KEY
+
+    method, class_path = speculative_method_and_class(vllm_config)
+    if method != "custom_class":
+        return False
+    extra = additional_config(vllm_config)
+    return (isinstance(extra, dict) and CONFIG_KEY in extra) or str(class_path or "").startswith("vllm_usd.")
+
+
 def uses_v2_model_runner(vllm_config) -> bool:
     """Whether vLLM picked Model Runner V2, which has no custom_class proposers (forced by VLLM_USE_V2_MODEL_RUNNER=1)."""
     try:

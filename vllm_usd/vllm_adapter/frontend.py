@@ -1,6 +1,6 @@
 """The start-up check in the user's own process: a bad ``usd`` section fails before any engine process starts.
 
-``patches.frontend_check`` calls ``check_engine_config`` on the ``VllmConfig``
+``patches.frontend_check`` calls ``check_engine_config`` (wired in by ``plugin.register``) on the ``VllmConfig``
 that ``EngineArgs.create_engine_config`` returns (``LLM(...)``, ``vllm serve``
 and ``vllm-usd serve`` all build their config there). It does what the
 proposer's ``__init__`` does in the worker, short of loading the drafter's
@@ -15,22 +15,13 @@ from __future__ import annotations
 import logging
 import time
 
-from vllm_usd.config import CONFIG_KEY, PROPOSER_CLASS, check_num_speculative_tokens, parse_usd_config
+from vllm_usd.config import PROPOSER_CLASS, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.drafter.loading import read_drafter
 from vllm_usd.drafter.select import choose
 from vllm_usd.vllm_adapter import compat
 
 logger = logging.getLogger("vllm.usd")
-
-
-def wants_vllm_usd(vllm_config) -> bool:
-    """A ``custom_class`` proposer with a ``usd`` section, or a class path inside vllm_usd."""
-    method, class_path = compat.speculative_method_and_class(vllm_config)
-    if method != "custom_class":
-        return False
-    extra = compat.additional_config(vllm_config)
-    return (isinstance(extra, dict) and CONFIG_KEY in extra) or str(class_path or "").startswith("vllm_usd.")
 
 
 def _check_class_path(class_path: str | None) -> None:
@@ -84,7 +75,7 @@ def _check(vllm_config) -> None:
 
 def check_engine_config(vllm_config) -> None:
     """Raise one ``ValueError`` line when a vllm-usd ``speculative_config`` would fail in the worker."""
-    if not wants_vllm_usd(vllm_config):
+    if not compat.wants_vllm_usd(vllm_config):
         return
     from vllm_usd.vllm_adapter.failures import install_collector
 

@@ -48,7 +48,8 @@ fingerprint of a vLLM release vllm-usd was checked against; otherwise
   Other engines, non-blocking calls and KV / EC connectors keep vLLM's calls.
 - ``frontend_check``: wraps ``EngineArgs.create_engine_config`` so that, in the
   user's own process and before any engine process starts, a vllm-usd
-  ``speculative_config`` is checked (``frontend.check_engine_config``).
+  ``speculative_config`` is checked (``engine_config_check``: ``plugin.register``
+  sets it to ``frontend.check_engine_config``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ import torch
 
 from vllm_usd import envs
 from vllm_usd.vllm_adapter import fingerprints
+from vllm_usd.vllm_adapter import compat
 from vllm_usd.vllm_adapter.compat import UnsupportedVllmVersion
 
 logger = logging.getLogger("vllm.usd")
@@ -275,9 +277,7 @@ def _wrap_executor_take_draft_token_ids(original):
 def _serves_vllm_usd(executor) -> bool:
     served = getattr(executor, "_vllm_usd_serves", None)
     if served is None:
-        from vllm_usd.vllm_adapter.frontend import wants_vllm_usd
-
-        served = executor._vllm_usd_serves = wants_vllm_usd(executor.vllm_config)
+        served = executor._vllm_usd_serves = compat.wants_vllm_usd(executor.vllm_config)
     return served
 
 
@@ -292,13 +292,16 @@ def install_drafts_with_sampled_tokens() -> bool:
 
 
 # --- frontend_check ---------------------------------------------------------------------------
+# What the wrapper runs on each new VllmConfig; plugin.register sets it (frontend.check_engine_config),
+# so that this list of patches knows nothing of the front end, nor, through it, of the proposer.
+engine_config_check: Callable[[object], None] = lambda config: None
+
+
 def _wrap_create_engine_config(original):
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
-        from vllm_usd.vllm_adapter.frontend import check_engine_config
-
-        check_engine_config(config)
+        engine_config_check(config)
         return config
 
     return create_engine_config

@@ -23,6 +23,12 @@ logger = logging.getLogger("vllm.usd")  # a child of vLLM's logger: same handler
 _registered = False
 
 
+def _check_engine_config(vllm_config) -> None:
+    from vllm_usd.vllm_adapter.frontend import check_engine_config
+
+    check_engine_config(vllm_config)
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -36,6 +42,7 @@ def register() -> None:
     try:
         from vllm_usd.vllm_adapter import compat, patches
 
+        patches.engine_config_check = _check_engine_config
         wanted = ["runner_hook", "frontend_check", "drafts_with_sampled_tokens"] + (
             ["cpu_expand_fix"] if envs.fix_cpu_sampler() else [])
         for name in wanted:
