@@ -17,7 +17,7 @@ runs it). Checks, each with "ok"; exit code 1 when one fails:
 - graph_replay: the one-token decode step replayed from CUDA graphs captured per (batch bucket,
   table width) (``vllm_usd/drafter/decode_graphs.py``) gives the eager runtime's logits, through
   idle and rolled-back rows; on cuda also the decode-step times with and without graphs. On the
-  CPU, where there is no graph, the same fixed-shape step runs through ``replay_eagerly``;
+  CPU, where there is no graph, the same fixed-shape step runs through ``capture_recorded``;
 - memory: the KV pool and the q buffer are allocated in full up front; a load of mixed-length
   requests, freed as they end, leaves both where they were and every block back in the pool
   (on cuda also ``torch.cuda.memory_allocated`` before and after);
@@ -162,11 +162,12 @@ def graph_replay(device: str) -> dict:
 
     from tests.fixtures import tiny
     from vllm_usd.drafter.attention import ATTN_NAME, register_attention
-    from vllm_usd.drafter.decode_graphs import capture_cuda_graph, replay_eagerly
+    from vllm_usd.drafter.decode_graphs import capture_cuda_graph
+    from vllm_usd.drafter.graph_double import capture_recorded
     from vllm_usd.drafter.hf_runtime import HFDrafterRuntime
 
     on_cuda = torch.device(device).type == "cuda"
-    capture = capture_cuda_graph if on_cuda else replay_eagerly
+    capture = capture_cuda_graph if on_cuda else capture_recorded
     _, drafter_dir = tiny.build_distribution_pair()
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32,
@@ -189,7 +190,7 @@ def graph_replay(device: str) -> dict:
         got = graphs.forward_next(rows, keep, ids)
         errors.append(float((got - want).abs().max()))
     same_cache = all(eager.cached_tokens(r) == graphs.cached_tokens(r) for r in prompts)
-    out = {"capture": "cuda_graph" if on_cuda else "replay_eagerly (no CUDA graph on this device)",
+    out = {"capture": "cuda_graph" if on_cuda else "capture_recorded (no CUDA graph on this device)",
            "max_abs_err": max(errors), "captures": graphs.graphs.captures, "capture_failed": graphs.graphs.failed,
            "decode_ms": _graph_decode_times(device) if on_cuda else None}
     out["ok"] = max(errors) < 1e-3 and same_cache and graphs.graphs.captures > 0 and not graphs.graphs.failed

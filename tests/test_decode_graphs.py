@@ -2,7 +2,7 @@
 
 A graph replays the step on the rows padded to a bucket and block tables padded
 to a power-of-two width. These tests run that fixed-shape step through
-``replay_eagerly`` (the same shapes and static buffers, no graph) and compare it
+``capture_recorded`` (the same shapes and static buffers, no graph) and compare it
 with a plain transformers forward: idle rows, rolled-back rows, bucket reuse,
 wider tables and a failed capture. The graph capture itself needs a GPU (``scripts/gpu_check.py``,
 check ``graph_replay``).
@@ -17,7 +17,8 @@ import torch
 
 from tests.test_drafter_runtime import _gemma3, _llama, _reference_logits, _save
 from vllm_usd.drafter import HFDrafterRuntime
-from vllm_usd.drafter.decode_graphs import DecodeGraphs, replay_eagerly
+from vllm_usd.drafter.decode_graphs import DecodeGraphs
+from vllm_usd.drafter.graph_double import capture_recorded
 
 
 def _runtime(folder: str, capture, **kw) -> HFDrafterRuntime:
@@ -32,12 +33,14 @@ def _runtime(folder: str, capture, **kw) -> HFDrafterRuntime:
 
 
 def _compiled_replay(step, inputs, pool):
-    """replay_eagerly on the step compiled with fullgraph=True: fails on any graph break in the fixed-shape step."""
-    return replay_eagerly(torch.compile(step, fullgraph=True, backend="eager"), inputs, pool)
+    """capture_recorded, after the step compiled with fullgraph=True ran once: fails on any graph break in the
+    fixed-shape step (dynamo does not trace under the recorder's TorchFunctionMode, so the two run apart)."""
+    torch.compile(step, fullgraph=True, backend="eager")(*inputs)
+    return capture_recorded(step, inputs, pool)
 
 
 def test_buckets_cover_every_batch_up_to_the_cap():
-    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=20, capture=replay_eagerly)
+    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=20, capture=capture_recorded)
     assert graphs.buckets == (1, 2, 4, 8, 16, 20)
     assert [graphs.bucket(n) for n in (1, 3, 5, 16, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
     assert DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=1000).buckets[-1] == 256
@@ -68,7 +71,7 @@ def test_the_fixed_shape_step_gives_the_reference_logits(make):
 
 def test_a_wider_table_and_a_larger_batch_capture_again_and_the_pool_never_moves():
     ref = _llama()
-    rt = _runtime(_save(ref), replay_eagerly)
+    rt = _runtime(_save(ref), capture_recorded)
     long = list(range(1, 256))  # 16 blocks of 16 tokens
     rt.add("x")
     rt.forward(["x"], [0], [long])
@@ -104,3 +107,18 @@ def test_a_failed_capture_drafts_eagerly_from_then_on(caplog):
     assert sum("runs eagerly from now on" in r.getMessage() for r in caplog.records) == 1
     assert torch.allclose(got[0], _reference_logits(ref, [1, 2, 3, 4, 5])[-1], atol=1e-4)
     assert torch.allclose(again[0], _reference_logits(ref, [1, 2, 3, 4, 5, 6])[-1], atol=1e-4)
+
+
+def test_a_catch_up_padded_past_a_rows_blocks_leaves_the_next_decode_within_the_graphs_width():
+    """Issue 39, finding 7: A near the drafter's max_len shares a catch-up with B feeding 16 tokens. The
+    catch-up's table is as wide as B's padding makes A's positions (4 blocks, past A's max of 3); the
+    decode that continues it must not reuse that width: a graph's table has at most 3."""
+    ref = _llama()
+    rt = _runtime(_save(ref), capture_recorded, max_len=48)
+    a, b = list(range(1, 41)), list(range(50, 82))
+    for r in ("A", "B"):
+        rt.add(r)
+    rt.forward(["A", "B"], [0, 0], [a, b])
+    rt.forward(["A", "B"], [40, 32], [[90], list(range(100, 116))])
+    got = rt.forward_next(["A"], [41], torch.tensor([91]))
+    assert torch.allclose(got[0], _reference_logits(ref, a + [90, 91])[-1], atol=1e-4)

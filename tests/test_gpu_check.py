@@ -30,6 +30,6 @@ def test_gpu_check_runs_and_reports_every_check_on_the_cpu():
     assert all(r["step_ms"] > 0 and r["read_limit_ms"] > 0 for r in rows)
     # no CUDA graph on the CPU: the captured step's fixed shapes, replayed eagerly, against the exact step
     graphs = summary["graph_replay"]
-    assert graphs["ok"] and graphs["capture"].startswith("replay_eagerly")
+    assert graphs["ok"] and graphs["capture"].startswith("capture_recorded")
     assert graphs["captures"] == 3  # 2, 3 and 1 rows: buckets 2, 4 and 1, all at one table width
     assert graphs["max_abs_err"] < 1e-3 and graphs["decode_ms"] is None

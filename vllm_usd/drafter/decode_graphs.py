@@ -50,18 +50,6 @@ def capture_cuda_graph(step: Callable[..., torch.Tensor], inputs: tuple[torch.Te
     return graph.replay, out
 
 
-def replay_eagerly(step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-                   pool: object) -> tuple[Callable[[], None], torch.Tensor]:
-    """A stand-in for a graph on devices without one: the same fixed shapes, run eagerly on every replay
-    (what the CPU tests use to check the padded step against the exact one)."""
-    out = step(*inputs)
-
-    def replay() -> None:
-        out.copy_(step(*inputs))
-
-    return replay, out
-
-
 class DecodeGraphs:
     """Fixed-shape decode steps, captured lazily per ``(bucket, width)`` and replayed after."""
 
@@ -110,15 +98,13 @@ class DecodeGraphs:
         return out
 
     def _capture_bucket(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):
-        static = tuple(t.clone() for t in inputs)
+        # every tensor the step reads is a static input, kept with the entry: a graph holds no reference to
+        # what it read, so a tensor only the step's closure knew would be freed and its memory reused
         rows = torch.arange(bucket, device=self._device)
         cols = torch.zeros(bucket, dtype=torch.long, device=self._device)
-
-        def fixed_step(t: torch.Tensor, p: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-            return self._step(t, p, table, rows, cols)
-
+        static = tuple(t.clone() for t in inputs) + (rows, cols)
         try:
-            replay, out = self._capture(fixed_step, static, self._pool)
+            replay, out = self._capture(self._step, static, self._pool)
         except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
             self.failed = True
             self.failure = exc

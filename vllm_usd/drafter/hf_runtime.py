@@ -322,7 +322,11 @@ class HFDrafterRuntime(DrafterRuntime):
             del toks[k:]
             toks.extend(new)
         ends = [k + len(t) for k, t in zip(keep, new_tokens)]
-        self._rows = _DecodeRows(tuple(req_ids), ends, table, to_device(ends, torch.long, dev), self._version)
+        # the next decode reads the rows' own blocks: padding may have widened the table past any row's
+        # (and past a decode graph's widest table, max_len's blocks)
+        blocks = max(len(self._blocks[r]) for r in req_ids)
+        self._rows = _DecodeRows(tuple(req_ids), ends, table[:, :blocks], to_device(ends, torch.long, dev),
+                                 self._version)
         return logits
 
     def _replay_decode(self, table: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor,
