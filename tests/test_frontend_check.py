@@ -95,6 +95,19 @@ def test_model_runner_v2_is_refused(pair):
     _raises(config, "vLLM chose Model Runner V2")
 
 
+def test_sleep_mode_is_refused_in_one_line_here_and_in_the_worker(pair):
+    """Issue 39, finding 8: sleep(level=2) would discard the drafter's KV pool and q buffer (their zero columns
+    keep the residual right), so vllm-usd refuses enable_sleep_mode at start-up, before and in the worker."""
+    from vllm_usd import UniversalProposer
+
+    target, drafter = pair
+    config = vllm_config(target, {"drafter": drafter})
+    config.model_config.enable_sleep_mode = True
+    _raises(config, "enable_sleep_mode is not supported")
+    with pytest.raises(ValueError, match="enable_sleep_mode is not supported"):
+        UniversalProposer(config)
+
+
 def test_lossy_verification_is_allowed_with_a_warning(pair, caplog):
     import logging
 

@@ -166,6 +166,15 @@ def check_num_speculative_tokens(k: int) -> None:
         )
 
 
+def check_no_sleep_mode(enabled: bool) -> None:
+    """Sleep mode is refused: ``sleep(level=2)`` discards what the drafter allocated at start-up under vLLM's
+    "weights" tag (its KV pool, and the q buffer whose columns outside the intersection must stay zero for the
+    rejection sampler's residual to be right), and nothing would restore them on wake."""
+    if enabled:
+        raise ValueError("vllm-usd: enable_sleep_mode is not supported: sleeping would discard the drafter's KV "
+                         "pool and q buffer; start vLLM without enable_sleep_mode.")
+
+
 def speculative_args(drafter: str, k: int = 3, **usd: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(...)`` that turn vllm-usd on.
 

@@ -46,6 +46,10 @@ def target_vocab_size(vllm_config) -> int:
     return int(vllm_config.model_config.get_vocab_size())
 
 
+def sleep_mode(vllm_config) -> bool:
+    return bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
+
+
 def num_speculative_tokens(vllm_config) -> int:
     return int(vllm_config.speculative_config.num_speculative_tokens)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from vllm_usd.config import PROPOSER_CLASS, check_num_speculative_tokens, parse_usd_config
+from vllm_usd.config import PROPOSER_CLASS, check_no_sleep_mode, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.drafter.loading import read_drafter
 from vllm_usd.drafter.select import choose
@@ -58,6 +58,7 @@ def _check(vllm_config) -> None:
                          "the V1 runner (unset VLLM_USE_V2_MODEL_RUNNER, or set it to 0).")
     cfg = parse_usd_config(compat.additional_config(vllm_config))
     check_num_speculative_tokens(compat.num_speculative_tokens(vllm_config))
+    check_no_sleep_mode(compat.sleep_mode(vllm_config))
     trust = cfg.trust_remote_code
     if trust is None:
         trust = compat.target_trusts_remote_code(vllm_config)

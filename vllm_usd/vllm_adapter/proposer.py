@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_usd.config import UsdConfig, check_num_speculative_tokens, parse_usd_config
+from vllm_usd.config import UsdConfig, check_no_sleep_mode, check_num_speculative_tokens, parse_usd_config
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
@@ -53,6 +53,7 @@ class UniversalProposer:
         self.config: UsdConfig = parse_usd_config(getattr(vllm_config, "additional_config", None))
         self.k = compat.num_speculative_tokens(vllm_config)
         check_num_speculative_tokens(self.k)
+        check_no_sleep_mode(compat.sleep_mode(vllm_config))
         self.target_vocab_size = compat.target_vocab_size(vllm_config)
         trust = self.config.trust_remote_code
         if trust is None:
