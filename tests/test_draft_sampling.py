@@ -195,3 +195,24 @@ def test_draft_probs_buffer_is_allocated_once_at_its_bound():
     none = DraftProbsBuffer(k=3, target_vocab_size=50, target_ids=torch.tensor([4, 9]), max_rows=6, needed=False)
     none.allocate()
     assert none.planned_bytes == 0 and none.nbytes == 0
+
+
+def test_drafter_memory_is_checked_against_vllms_budget_not_the_free_memory(monkeypatch):
+    """Issue 39, finding 4: on a GPU the drafter may take only what is left of vLLM's budget
+    (gpu_memory_utilization x the card, less what is taken), not what happens to be free."""
+    import types
+
+    from vllm_usd.vllm_adapter import drafter_memory
+    from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 16 * gib))  # 6 GiB taken
+    allocated = []
+    runtime = types.SimpleNamespace(device=torch.device("cuda"), planned_kv_bytes=3 * gib, kv_bytes=0,
+                                    allocate=lambda: allocated.append("kv"))
+    q = DraftProbsBuffer(k=1, target_vocab_size=1, target_ids=torch.tensor([0]), max_rows=1, needed=False)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.5\) 2048 MiB is left"):
+        drafter_memory.allocate_drafter_memory(runtime, q, utilization=0.5)  # 8 GiB budget - 6 taken < 3 needed
+    assert not allocated
+    drafter_memory.allocate_drafter_memory(runtime, q, utilization=0.6)  # 9.6 - 6 = 3.6 GiB left: fits
+    assert allocated == ["kv"]

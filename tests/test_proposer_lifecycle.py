@@ -139,16 +139,28 @@ def test_prefill_rows_and_drafter_context_limit(pair):
     assert not p.requests.is_undraftable("long")
 
 
-def test_kv_budget_skips_requests_instead_of_failing(pair):
-    p = _proposer(pair, drafter_max_num_seqs=2)
+def test_a_step_with_more_rows_than_drafter_max_num_seqs_drafts_nothing(pair):
+    """Issue 39, finding 4: usd.drafter_max_num_seqs bounds the q buffer and the drafter's requests; a step
+    with more rows drafts nothing (and fails nothing), and drafting resumes once the rows fit."""
+    p = _proposer(pair, drafter_max_num_seqs=2, draft_mode="tli")
+    assert p._q_buffer.max_rows == 2 and p.runtime._max_requests == 2
     runner = FakeRunner()
     for r in "abc":
         runner.add(r, _prompt(pair, " the keeper"))
     drafts = runner.step(p, {})
-    assert sum(1 for d in drafts.values() if d) == 2 and p.counters["skipped_no_memory"] >= 1
+    assert not any(drafts.values()) and p.counters["length_0"] == 3 and not p.failures.by_reason
     runner.remove("a")
-    drafts = runner.step(p, {"b": drafts["b"][:1]}, finished={"a"})
-    assert all(drafts[r] for r in "bc"), "a freed slot goes to the waiting request"
+    drafts = runner.step(p, {}, finished={"a"})
+    assert all(drafts[r] for r in "bc"), "two rows fit: both draft"
+
+
+def test_drafter_max_num_seqs_defaults_to_vllms_bounded(pair):
+    from vllm_usd.config import DEFAULT_DRAFTER_MAX_NUM_SEQS
+
+    target, drafter = pair
+    for seqs, rows in ((8, 8), (1024, DEFAULT_DRAFTER_MAX_NUM_SEQS)):
+        p = UniversalProposer(vllm_config(target, {"drafter": drafter}, max_num_seqs=seqs))
+        assert p._q_buffer.max_rows == p.runtime._max_requests == rows
 
 
 def test_a_finish_the_proposer_never_saw_does_not_keep_the_drafter_slot(pair):

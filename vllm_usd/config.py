@@ -10,6 +10,11 @@ from typing import Any
 
 PROPOSER_CLASS = "vllm_usd.UniversalProposer"
 CONFIG_KEY = "usd"
+# The default bound on the rows a step drafts for. q is [rows, k, target vocabulary] float32 on every
+# tensor-parallel rank: with Gemma-3 (262,144 tokens) at k = 5, 64 rows are 320 MiB, 0.4% of what vLLM
+# uses of an 80 GiB H100 at gpu_memory_utilization 0.9, where vLLM's max_num_seqs (1024 by default on
+# such a server) would be 5 GiB. Past 64 rows a step is compute-bound and drafting rarely pays.
+DEFAULT_DRAFTER_MAX_NUM_SEQS = 64
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -31,7 +36,9 @@ class UsdConfig:
     draft_sampling:        "auto" drafts like the request samples; "greedy" always argmax.
     trust_remote_code:     for the drafter; defaults to the target's setting.
     drafter_kv_budget_gb:  memory for the drafter's KV cache; past it, requests get no drafts.
-    drafter_max_num_seqs:  requests drafted for at once; defaults to vLLM's max_num_seqs.
+    drafter_max_num_seqs:  the most batch rows a step drafts for: it bounds the q buffer and the drafter's KV
+                           pool, and a step with more rows drafts nothing; default: vLLM's max_num_seqs, at
+                           most DEFAULT_DRAFTER_MAX_NUM_SEQS.
     min_intersection:      smallest shared share of the drafter vocabulary accepted.
     seed:                  seed for drafting in requests without their own seed.
     pruned_head:           compute drafter logits only for shared tokens (same q, less work); draft_mode "tli" only.

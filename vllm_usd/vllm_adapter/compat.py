@@ -54,6 +54,10 @@ def num_speculative_tokens(vllm_config) -> int:
     return int(vllm_config.speculative_config.num_speculative_tokens)
 
 
+def gpu_memory_utilization(vllm_config) -> float:
+    return float(getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9) or 0.9)
+
+
 def max_num_seqs(vllm_config) -> int:
     return int(vllm_config.scheduler_config.max_num_seqs)
 

@@ -1,4 +1,4 @@
-"""The drafter's memory, decided at start-up: checked against what the device has free, allocated, logged.
+"""The drafter's memory, decided at start-up: checked against what vLLM will use, allocated, logged.
 
 vLLM sizes its own KV cache from the memory left after ``load_model`` and its
 profiling run. The proposer's ``load_model`` calls ``allocate_drafter_memory``,
@@ -17,10 +17,13 @@ from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 _MIB = 1 << 20
 
 
-def device_free_bytes(device: torch.device) -> int | None:
-    """Memory free on ``device`` now; None where it cannot be read."""
+def memory_left(device: torch.device, utilization: float) -> int | None:
+    """What the drafter may still take on ``device``; None where it cannot be read. On a GPU that is vLLM's
+    budget (``gpu_memory_utilization`` x the card) less what is taken already, by anyone: memory free now
+    beyond the budget is not ours to take. On the CPU, what the host has available."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        free, total = torch.cuda.mem_get_info(device)
+        return int(utilization * total) - (int(total) - int(free))
     if device.type == "cpu":
         import psutil
 
@@ -28,17 +31,20 @@ def device_free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def allocate_drafter_memory(runtime: DrafterRuntime, q_buffer: DraftProbsBuffer) -> str:
-    """Allocate the drafter's KV cache and the q buffer in full, or refuse; returns the start-up log line."""
+def allocate_drafter_memory(runtime: DrafterRuntime, q_buffer: DraftProbsBuffer, utilization: float = 0.9) -> str:
+    """Allocate the drafter's KV cache and the q buffer in full, or refuse; returns the start-up log line.
+    ``utilization``: vLLM's gpu_memory_utilization."""
     kv, q = runtime.planned_kv_bytes, q_buffer.planned_bytes
     need = (kv - runtime.kv_bytes) + (q - q_buffer.nbytes)
-    free = device_free_bytes(runtime.device)
-    if free is not None and need > free:
+    left = memory_left(runtime.device, utilization)
+    if left is not None and need > left:
+        where = (f"of vLLM's budget (gpu_memory_utilization {utilization:g}) {max(left, 0) / _MIB:.0f} MiB is left"
+                 if runtime.device.type == "cuda" else f"{left / _MIB:.0f} MiB is available")
         raise ValueError(
             f"vllm-usd: the drafter's memory does not fit on {runtime.device}: it needs {need / _MIB:.0f} MiB "
-            f"(KV cache {kv / _MIB:.0f} MiB, q buffer {q / _MIB:.0f} MiB = max_num_seqs {q_buffer.max_rows} x "
-            f"k {q_buffer.k} x target vocabulary {q_buffer.vocab} x 4 B) and {free / _MIB:.0f} MiB is free. Lower "
-            f"additional_config.usd.drafter_kv_budget_gb, max_num_seqs or num_speculative_tokens.")
+            f"(KV cache {kv / _MIB:.0f} MiB, q buffer {q / _MIB:.0f} MiB = drafter_max_num_seqs {q_buffer.max_rows} "
+            f"x k {q_buffer.k} x target vocabulary {q_buffer.vocab} x 4 B) and {where}. Lower "
+            f"additional_config.usd.drafter_kv_budget_gb, usd.drafter_max_num_seqs or num_speculative_tokens.")
     runtime.allocate()
     q_buffer.allocate()
     return describe(runtime, q_buffer)
@@ -55,7 +61,7 @@ def describe(runtime: DrafterRuntime, q_buffer: DraftProbsBuffer) -> str:
                 f"across requests; attention: {KERNEL}")
     else:
         held = "llama.cpp's own, fixed when it loaded"
-    q = (f"q buffer {q_buffer.planned_bytes / _MIB:.1f} MiB (max_num_seqs {q_buffer.max_rows} x k {q_buffer.k} x "
+    q = (f"q buffer {q_buffer.planned_bytes / _MIB:.1f} MiB (drafter_max_num_seqs {q_buffer.max_rows} x k {q_buffer.k} x "
          f"target vocabulary {q_buffer.vocab} x 4 B)" if q_buffer.needed else "no q buffer (no draft carries a q)")
     return (f"vllm-usd: drafter memory on {runtime.device}, fixed from start-up: KV cache {kv / _MIB:.1f} MiB "
             f"({held}); {q}")

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_usd.config import UsdConfig, check_no_sleep_mode, check_num_speculative_tokens, parse_usd_config
+from vllm_usd.config import (DEFAULT_DRAFTER_MAX_NUM_SEQS, UsdConfig, check_no_sleep_mode,
+                             check_num_speculative_tokens, parse_usd_config)
 from vllm_usd.core.pair import DraftPair
 from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
@@ -66,7 +67,7 @@ class UniversalProposer:
                              gguf_type=cfg.drafter_gguf_type)
         opened = open_drafter(
             cfg.drafter, self.choice, max_len=self._drafter_max_len(vllm_config),
-            max_requests=cfg.drafter_max_num_seqs or compat.max_num_seqs(vllm_config),
+            max_requests=self._max_draft_rows(vllm_config),
             kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
             revision=cfg.drafter_revision, trust_remote_code=trust,
             cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.workers(vllm_config)),
@@ -106,7 +107,7 @@ class UniversalProposer:
         self.failures = FailureCounts(self.rank)
         self._digests = StepDigests()
         self._q_buffer = DraftProbsBuffer(self.k, self.target_vocab_size, self.mapping.target_ids, self.runtime.device,
-                                          max_rows=compat.max_num_seqs(vllm_config),
+                                          max_rows=self._max_draft_rows(vllm_config),
                                           needed=cfg.draft_mode != "string" and cfg.draft_sampling != "greedy")
         self._last_q: torch.Tensor | None = None
         self._runner = None
@@ -121,6 +122,11 @@ class UniversalProposer:
             100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
             self.mapping.byte_only_matches, self.k, cfg.draft_mode, cfg.draft_sampling, cfg.adaptive_length,
         )
+
+    def _max_draft_rows(self, vllm_config: Any) -> int:
+        """usd.drafter_max_num_seqs: the q buffer's rows and the drafter's requests; a step with more rows
+        drafts nothing."""
+        return self.config.drafter_max_num_seqs or min(compat.max_num_seqs(vllm_config), DEFAULT_DRAFTER_MAX_NUM_SEQS)
 
     def _drafter_max_len(self, vllm_config: Any) -> int:
         """The longest drafter context to hold: the setting, else twice the target's (tokenizers differ)."""
@@ -158,7 +164,8 @@ class UniversalProposer:
         """vLLM calls this after loading the target, before it sizes its KV cache: the drafter's memory
         is allocated here in full (``drafter_memory.py``), and the target and drafter are timed for
         the draft-length controller."""
-        logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer))
+        logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer,
+                                                  compat.gpu_memory_utilization(self.vllm_config)))
         if self.config.adaptive_length:
             self.controller = DraftLengthController(self.k, self._startup_timings(target_model))
         self.startup_line = self._startup_line()
@@ -235,7 +242,8 @@ class UniversalProposer:
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
         batch = num_rows - sampled_token_ids.count([])  # decoding rows
-        length, failure = self._choose_length(started, sampled_token_ids, num_tokens_no_spec, batch)
+        length, failure = self._choose_length(started, sampled_token_ids, num_tokens_no_spec, batch,
+                                              num_rows <= self._q_buffer.max_rows)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         parts, qs = [], None
         try:
@@ -262,11 +270,12 @@ class UniversalProposer:
         return drafts
 
     def _choose_length(self, started: float, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
-                       batch: int) -> tuple[int, Exception | None]:
+                       batch: int, fits: bool) -> tuple[int, Exception | None]:
         """Tell the controller what the step that just ran did (the cycle it closed, its acceptance),
         take rank 0's measured costs where due, and return this step's length (and what failed, if
         anything: the step then drafts nothing, on every rank). Every rank shares at every step (a
-        collective), whatever failed before it, and chooses alike."""
+        collective), whatever failed before it, and chooses alike. A step whose rows do not ``fit`` the q
+        buffer (usd.drafter_max_num_seqs) drafts nothing."""
         so, controller, failure = self._scheduler_output, self.controller, None
         try:
             if self._last_start is not None and compat.decode_step_tokens(so) is not None:
@@ -279,7 +288,7 @@ class UniversalProposer:
         self._last_start = started
         controller.share(compat.tp_broadcast_from_rank0)
         self._length = 0
-        if failure is None and batch:
+        if failure is None and batch and fits:
             try:
                 runner = self._runner
                 self._length = controller.length(batch, lambda: self.requests.missed_tokens(
