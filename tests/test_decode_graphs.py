@@ -122,3 +122,44 @@ def test_a_catch_up_padded_past_a_rows_blocks_leaves_the_next_decode_within_the_
     rt.forward(["A", "B"], [40, 32], [[90], list(range(100, 116))])
     got = rt.forward_next(["A"], [41], torch.tensor([91]))
     assert torch.allclose(got[0], _reference_logits(ref, a + [90, 91])[-1], atol=1e-4)
+
+
+def test_a_capture_failure_on_one_rank_sends_every_rank_eager():
+    """Issue 39, finding 6: two tensor-parallel ranks (threads here) capture the same shape at the same step;
+    a planted capture failure on rank 1 must send rank 0 down the eager path too, from that step on, or rank
+    0's padded graph logits would differ from rank 1's eager ones in the last bits, and so would q."""
+    import threading
+
+    ref = _llama()
+    folder = _save(ref)
+    votes: list[bool] = []
+    barrier = threading.Barrier(2)
+
+    def agree(failed: bool) -> bool:  # what compat.tp_any does across ranks: any rank's failure, on every rank
+        votes.append(failed)
+        barrier.wait()
+        return any(votes)
+
+    def broken(step, inputs, pool):
+        raise RuntimeError("planted capture failure on rank 1")
+
+    runtimes = [_runtime(folder, capture_recorded), _runtime(folder, broken)]
+    for rt in runtimes:
+        rt.graphs._agree = agree
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def rank(i: int) -> None:
+        rt = runtimes[i]
+        rt.add("a")
+        rt.forward(["a"], [0], [[1, 2, 3, 4]])
+        got[i] = [rt.forward_next(["a"], [4], torch.tensor([5])), rt.forward_next(["a"], [5], torch.tensor([6]))]
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert votes == [False, True] or votes == [True, False], votes
+    assert all(rt.graphs.failed for rt in runtimes) and runtimes[0].graphs.captures == 1
+    for a, b in zip(got[0], got[1]):
+        assert torch.equal(a, b), "both ranks ran the same (eager) step"

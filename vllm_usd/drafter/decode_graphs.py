@@ -54,11 +54,14 @@ class DecodeGraphs:
     """Fixed-shape decode steps, captured lazily per ``(bucket, width)`` and replayed after."""
 
     def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, *, max_rows: int,
-                 capture: Capture = capture_cuda_graph) -> None:
+                 capture: Capture = capture_cuda_graph, agree: Callable[[bool], bool] = lambda failed: failed) -> None:
+        """``agree(failed)``: whether a capture failed on any tensor-parallel rank (every rank captures the same
+        shape at the same step and must go on alike: a rank that ran eagerly would compute other logits)."""
         # step(tokens [R, 1], pos [R, 1], table [R, NB], sel_rows [R], sel_cols [R]) -> [R, V] float32
         self._step = step
         self._device = device
         self._capture = capture
+        self._agree = agree
         # past the largest bucket the step runs eagerly
         self.buckets = tuple(b for b in BUCKETS if b < max_rows) + ((max_rows,) if max_rows <= BUCKETS[-1] else ())
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -86,7 +89,9 @@ class DecodeGraphs:
         entry = self._captured.get((bucket, width))
         if entry is None:
             entry = self._capture_bucket(bucket, width, (tokens, pos, table))
-            if entry is None:
+            if self._agree(entry is None):
+                if entry is not None:
+                    self._give_up(RuntimeError("capturing the drafter's decode step failed on another rank"))
                 return None
             replay, out, _ = entry
             replay()  # the capture recorded kernels; with a real graph nothing has run on these inputs yet
@@ -106,13 +111,16 @@ class DecodeGraphs:
         try:
             replay, out = self._capture(self._step, static, self._pool)
         except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
-            self.failed = True
-            self.failure = exc
-            self._captured.clear()
-            logger.warning("vllm-usd: capturing the drafter's decode step failed (%s: %s); it runs eagerly from "
-                           "now on. Start vLLM with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)
+            self._give_up(exc)
             return None
         self.captures += 1
         entry = (replay, out, static)
         self._captured[(bucket, width)] = entry
         return entry
+
+    def _give_up(self, exc: BaseException) -> None:
+        self.failed = True
+        self.failure = exc
+        self._captured.clear()
+        logger.warning("vllm-usd: capturing the drafter's decode step failed (%s: %s); it runs eagerly from "
+                       "now on. Start vLLM with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)

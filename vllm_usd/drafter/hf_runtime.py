@@ -23,7 +23,7 @@ where they were sampled, and copies nothing to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -82,9 +82,9 @@ class HFDrafterRuntime(DrafterRuntime):
     """A transformers causal LM with a private paged KV cache."""
 
     def __init__(self, model, *, max_len: int, max_requests: int, kv_budget_bytes: int,
-                 capture: Capture | None = None) -> None:
+                 capture: Capture | None = None, agree: Callable[[bool], bool] = lambda failed: failed) -> None:
         """``capture``: how to capture the one-token decode step (``decode_graphs.capture_cuda_graph`` on a
-        GPU); None runs every step eagerly. The KV pool holds ``kv_budget_bytes``, or what
+        GPU); None runs every step eagerly. ``agree``: whether a capture failed on any tensor-parallel rank. The KV pool holds ``kv_budget_bytes``, or what
         ``max_requests`` requests of ``max_len`` tokens need if that is less."""
         self.model = model
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -116,7 +116,7 @@ class HFDrafterRuntime(DrafterRuntime):
         self._tokens: dict[str, list[int]] = {}
         # ids appended by forward_next and not yet known on the host: (ids [B] on device, [(req_id, index)])
         self._unsettled: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
-        self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, capture=capture) \
+        self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, capture=capture, agree=agree) \
             if capture is not None else None
 
     # -- memory ---------------------------------------------------------------------------

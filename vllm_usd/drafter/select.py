@@ -200,7 +200,8 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
                  revision: str | None = None, trust_remote_code: bool = False,
                  cpus: frozenset[int] | None = None, cuda_graphs: bool = False,
                  probe_on: Callable[[Callable[[], DrafterChoice]], DrafterChoice] = _run_here,
-                 probe_timeout_s: float = 120.0, probe_child: str | None = None) -> OpenedDrafter:
+                 probe_timeout_s: float = 120.0, probe_child: str | None = None,
+                 agree: Callable[[bool], bool] = lambda failed: failed) -> OpenedDrafter:
     """Load the drafter as ``choice`` says and wrap it in its runtime.
 
     ``cpus``: the CPUs llama.cpp drafts on, a thread each (default: ``drafter_cpus()``); the
@@ -209,6 +210,7 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
     from CUDA graphs captured per batch bucket (``decode_graphs.py``); elsewhere it has no effect.
     A llama.cpp choice not yet probed is probed first (``proven``), by ``probe_on``: in this
     process, or under tensor parallelism on rank 0 with the verdict sent to every rank.
+    ``agree``: whether a decode-graph capture failed on any tensor-parallel rank (``compat.tp_any``).
     """
     from vllm_usd.drafter.llama_cpp_runtime import KV_BYTES_PER_ELEMENT, LlamaCppDrafterRuntime, drafter_cpus
 
@@ -234,5 +236,5 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
     if cuda_graphs and torch.device(choice.device).type == "cuda":
         from vllm_usd.drafter.decode_graphs import capture_cuda_graph as capture
     runtime = HFDrafterRuntime(model, max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes,
-                               capture=capture)
+                               capture=capture, agree=agree)
     return OpenedDrafter(runtime, tokenizer, int(model.get_output_embeddings().weight.shape[0]), choice)

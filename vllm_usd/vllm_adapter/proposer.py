@@ -72,6 +72,7 @@ class UniversalProposer:
             revision=cfg.drafter_revision, trust_remote_code=trust,
             cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.workers(vllm_config)),
             probe_on=compat.computed_on_tp_rank0, probe_timeout_s=self.probe_timeout_s, probe_child=self.probe_child,
+            agree=compat.tp_any,
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
         self.choice = opened.choice  # with the GGUF type resolved
