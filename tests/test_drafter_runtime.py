@@ -131,6 +131,28 @@ def test_long_prefill_runs_apart_and_mixes_with_decodes():
     assert torch.allclose(out[1], _reference_logits(ref, long_prompt)[-1], atol=1e-4)
 
 
+def test_a_long_catch_up_runs_in_chunks_and_the_largest_forward_runs_at_start_up():
+    """Issue 39, finding 3: a prompt longer than CATCH_UP_CHUNK is fed a chunk at a time (its masks are
+    bounded by a chunk, not by the prompt), exactly; and allocate() already ran the largest forwards serving
+    can ask for (one chunk, and every request's PREFILL_SPLIT tokens, at the end of max_len)."""
+    from vllm_usd.drafter.hf_runtime import CATCH_UP_CHUNK, PREFILL_SPLIT
+
+    ref = _llama()
+    rt = _runtime(ref, _save(ref), max_requests=3)
+    shapes = []
+    step = rt._step
+    rt._step = lambda tokens, *rest: shapes.append(tuple(tokens.shape)) or step(tokens, *rest)
+    rt.allocate()
+    assert shapes == [(1, CATCH_UP_CHUNK), (3, PREFILL_SPLIT)], shapes
+    rt.add("a")
+    prompt = [(7 * i) % 300 for i in range(CATCH_UP_CHUNK + 100)]
+    shapes.clear()
+    out = rt.forward(["a"], [0], [prompt])
+    assert shapes == [(1, CATCH_UP_CHUNK), (1, 100)], shapes
+    assert torch.allclose(out[0], _reference_logits(ref, prompt)[-1], atol=1e-4)
+    assert rt.cached_tokens("a") == prompt
+
+
 def test_pruned_head_gives_the_same_logits():
     ref = _llama()
     folder = _save(ref)

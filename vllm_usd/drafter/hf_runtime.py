@@ -36,6 +36,10 @@ BLOCK_SIZE = 16  # tokens per KV block
 # Requests with more new tokens than this in one step (a prompt) are run in
 # their own forward, so they do not pad everyone else's batch.
 PREFILL_SPLIT = 16
+# Such a request catches up in chunks of this many tokens, so that one forward's attention masks and
+# intermediates are bounded by a chunk ([group x CATCH_UP_CHUNK, max_len] per layer), whatever the
+# prompt's length; allocate() runs the largest forward once, so that its memory is taken at start-up.
+CATCH_UP_CHUNK = 256
 SCRATCH = 0  # the block padding writes to
 
 
@@ -151,6 +155,20 @@ class HFDrafterRuntime(DrafterRuntime):
         self._k = [pool[i, 0] for i in range(self._num_layers)]
         self._v = [pool[i, 1] for i in range(self._num_layers)]
         self._free = list(range(self.num_blocks, SCRATCH, -1))
+        self._reserve_workspace()
+
+    @torch.inference_mode()
+    def _reserve_workspace(self) -> None:
+        """Run the two largest forwards serving can ask for, on the scratch block: one request catching up
+        a chunk, and every request catching up ``PREFILL_SPLIT`` tokens, each attending over ``max_len``. On
+        a GPU the caching allocator keeps what they took, so vLLM's profiling counts it before it sizes its
+        KV cache, and a catch-up while serving takes nothing new."""
+        dev = self.device
+        for rows, t in ((1, min(CATCH_UP_CHUNK, self.max_len)), (self._max_requests, min(PREFILL_SPLIT, self.max_len))):
+            pos = torch.arange(self.max_len - t, self.max_len, device=dev).expand(rows, t)  # [rows, t]
+            table = torch.full((rows, self._max_blocks), SCRATCH, dtype=torch.long, device=dev)
+            self._step(torch.zeros(rows, t, dtype=torch.long, device=dev), pos, table,
+                       torch.arange(rows, device=dev), torch.full((rows,), t - 1, dtype=torch.long, device=dev))
 
     def reserve(self, req_id: str, length: int) -> bool:
         """Blocks for ``length`` tokens of ``req_id``; False (nothing taken) when the pool has too few."""
@@ -235,7 +253,10 @@ class HFDrafterRuntime(DrafterRuntime):
         long_rows = [i for i, t in enumerate(new_tokens) if len(t) > PREFILL_SPLIT]
         short_rows = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_SPLIT]
         for i in long_rows:
-            out[i] = self._run_host([req_ids[i]], [keep[i]], [new_tokens[i]])[0]
+            tokens = new_tokens[i]
+            for start in range(0, len(tokens), CATCH_UP_CHUNK):
+                logits = self._run_host([req_ids[i]], [keep[i] + start], [tokens[start:start + CATCH_UP_CHUNK]])
+            out[i] = logits[0]
         if len(short_rows) == len(req_ids):
             out[:] = self._run_host(req_ids, keep, new_tokens)
         elif short_rows:
