@@ -14,10 +14,13 @@ runs it). Checks, each with "ok"; exit code 1 when one fails:
   host read, and a string-drafting step one per drafter forward. Counted by
   ``SyncCounter``, and on cuda by ``torch.cuda.set_sync_debug_mode("warn")``: any other
   synchronizing call fails the check;
-- graph_replay: the one-token decode step replayed from CUDA graphs captured per (batch bucket,
-  table width) (``vllm_usd/drafter/decode_graphs.py``) gives the eager runtime's logits, through
-  idle and rolled-back rows; on cuda also the decode-step times with and without graphs. On the
-  CPU, where there is no graph, the same fixed-shape step runs through ``capture_recorded``;
+- graph_replay: every (batch bucket, table width) graph is captured when the drafter takes its
+  memory, before serving (``vllm_usd/drafter/decode_graphs.py``); decode steps then replay them
+  only (no eager forward, no new capture, reserved memory unchanged) after memory the graphs
+  must not read was filled with junk, and give the eager runtime's logits through idle and
+  rolled-back rows; on cuda also the decode-step times with and without graphs. On the CPU,
+  where there is no graph, the same steps run through ``capture_recorded``, which fails a replay
+  that reads freed memory;
 - memory: the KV pool and the q buffer are allocated in full up front; a load of mixed-length
   requests, freed as they end, leaves both where they were and every block back in the pool
   (on cuda also ``torch.cuda.memory_allocated`` before and after);
@@ -178,8 +181,16 @@ def graph_replay(device: str) -> dict:
     errors = []
     for rt in (eager, graphs):
         for r in prompts:
-            rt.add(r)
+            rt.add(r)  # the first takes the memory: graphs.allocate() captures every graph here
         rt.forward(list(prompts), [0] * 3, list(prompts.values()))
+    captured = graphs.graphs.captures
+    # index lifetimes (issue 39, finding 1): fill memory a graph could wrongly read, then replay
+    junk = [torch.full((1 << 16,), -7, dtype=torch.long, device=device) for _ in range(64)]
+    del junk
+    eager_decodes = []
+    step = graphs._step
+    graphs._step = lambda tokens, *rest: eager_decodes.append(tuple(tokens.shape)) or step(tokens, *rest)
+    reserved = torch.cuda.memory_reserved() if on_cuda else None
     n = {r: len(p) for r, p in prompts.items()}
     # (rows, their keep): b idle, then a rolled back by one, then all three, then a alone
     steps = [(["a", "c"], [n["a"], n["c"]]), (["a", "c"], [n["a"], n["c"] + 1]),
@@ -190,10 +201,15 @@ def graph_replay(device: str) -> dict:
         got = graphs.forward_next(rows, keep, ids)
         errors.append(float((got - want).abs().max()))
     same_cache = all(eager.cached_tokens(r) == graphs.cached_tokens(r) for r in prompts)
+    grew = torch.cuda.memory_reserved() - reserved if on_cuda else 0
     out = {"capture": "cuda_graph" if on_cuda else "capture_recorded (no CUDA graph on this device)",
-           "max_abs_err": max(errors), "captures": graphs.graphs.captures, "capture_failed": graphs.graphs.failed,
+           "max_abs_err": max(errors), "captured_at_start": captured,
+           "expected": len(graphs.graphs.buckets) * len(graphs.graphs.widths),
+           "captured_while_serving": graphs.graphs.captures - captured, "eager_decodes": len(eager_decodes),
+           "reserved_growth_bytes": grew, "capture_failed": graphs.graphs.failed,
            "decode_ms": _graph_decode_times(device) if on_cuda else None}
-    out["ok"] = max(errors) < 1e-3 and same_cache and graphs.graphs.captures > 0 and not graphs.graphs.failed
+    out["ok"] = (max(errors) < 1e-3 and same_cache and captured == out["expected"] > 0 and not graphs.graphs.failed
+                 and out["captured_while_serving"] == 0 and not eager_decodes and grew == 0)
     return out
 
 
@@ -221,7 +237,7 @@ def _graph_decode_times(device: str) -> list[dict]:
             rt.forward(ids, [0] * batch, [[(7 * i + j) % 1000 + 10 for j in range(CONTEXT)] for i in range(batch)])
             tokens = torch.arange(batch, device=device) + 11
             times = []
-            for s in range(13):  # three warm-up steps (the first one captures)
+            for s in range(13):  # three warm-up steps
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 rt.forward_next(ids, [CONTEXT] * batch, tokens)  # roll back the last step's token, decode one

@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3)}
-exec "$PY" scripts/gpu_check.py "$@"
+# every launch synchronous: a device-side assert (an index read from freed memory, say) names its kernel
+CUDA_LAUNCH_BLOCKING=${CUDA_LAUNCH_BLOCKING:-1} exec "$PY" scripts/gpu_check.py "$@"

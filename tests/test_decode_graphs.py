@@ -32,37 +32,41 @@ def _runtime(folder: str, capture, **kw) -> HFDrafterRuntime:
                             kv_budget_bytes=1 << 30, capture=capture)
 
 
-def _compiled_replay(step, inputs, pool):
-    """capture_recorded, after the step compiled with fullgraph=True ran once: fails on any graph break in the
-    fixed-shape step (dynamo does not trace under the recorder's TorchFunctionMode, so the two run apart)."""
-    torch.compile(step, fullgraph=True, backend="eager")(*inputs)
-    return capture_recorded(step, inputs, pool)
-
-
-def test_buckets_cover_every_batch_up_to_the_cap():
-    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=20, capture=capture_recorded)
-    assert graphs.buckets == (1, 2, 4, 8, 16, 20)
+def test_buckets_and_widths_cover_every_batch_and_row_length_up_to_the_caps():
+    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=20, max_blocks=20, capture=capture_recorded)
+    assert graphs.buckets == (1, 2, 4, 8, 16, 20) and graphs.widths == (1, 2, 4, 8, 16, 20)
     assert [graphs.bucket(n) for n in (1, 3, 5, 16, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
-    assert DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=1000).buckets[-1] == 256
+    assert DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=1000, max_blocks=1).buckets[-1] == 256
+    assert DecodeGraphs(lambda *a: None, torch.device("cpu"), max_rows=1, max_blocks=512).widths[-1] == 512
+
+
+def _count_eager_forwards(rt) -> list:
+    """From now on, every eager forward of ``rt`` (graph replays run recorded calls, not the step)."""
+    calls = []
+    step = rt._step
+    rt._step = lambda tokens, *rest: calls.append(tuple(tokens.shape)) or step(tokens, *rest)
+    return calls
 
 
 @pytest.mark.parametrize("make", [_llama, _gemma3], ids=["llama", "gemma3-sliding"])
 def test_the_fixed_shape_step_gives_the_reference_logits(make):
     ref = make()
-    rt = _runtime(_save(ref), _compiled_replay)
+    rt = _runtime(_save(ref), capture_recorded)  # the step compiles whole: test_drafter_runtime
     seqs = {"a": list(range(20, 41)), "b": list(range(100, 106)), "c": list(range(7, 19))}
     for r in seqs:
         rt.add(r)
     rt.forward(list(seqs), [0] * 3, list(seqs.values()))
+    captured = len(rt.graphs.buckets) * len(rt.graphs.widths)
+    assert rt.graphs.captures == captured, "every graph is captured when the memory is taken, before serving"
+    eager = _count_eager_forwards(rt)
     # a and c draft (b idle between them), then a's draft is rejected and both draft again
     got = rt.forward_next(["a", "c"], [len(seqs["a"]), len(seqs["c"])], torch.tensor([7, 8]))
     assert torch.allclose(got[0], _reference_logits(ref, seqs["a"] + [7])[-1], atol=1e-4)
     assert torch.allclose(got[1], _reference_logits(ref, seqs["c"] + [8])[-1], atol=1e-4)
-    assert rt.graphs.captures == 1  # two rows: bucket 2
     got = rt.forward_next(["c", "a"], [len(seqs["c"]) + 1, len(seqs["a"])], torch.tensor([9, 10]))
     assert torch.allclose(got[0], _reference_logits(ref, seqs["c"] + [8, 9])[-1], atol=1e-4)
     assert torch.allclose(got[1], _reference_logits(ref, seqs["a"] + [10])[-1], atol=1e-4)
-    assert rt.graphs.captures == 1, "the same bucket and table width should replay, not capture again"
+    assert eager == [] and rt.graphs.captures == captured, "decode steps are replays only: nothing eager or new"
     # b, idle through both replays, is still exact
     out = rt.forward(["b"], [len(seqs["b"])], [[11]])
     assert torch.allclose(out[0], _reference_logits(ref, seqs["b"] + [11])[-1], atol=1e-4)
@@ -76,35 +80,37 @@ def test_a_wider_table_and_a_larger_batch_capture_again_and_the_pool_never_moves
     rt.add("x")
     rt.forward(["x"], [0], [long])
     pool = rt._k[0].data_ptr()
+    captured = rt.graphs.captures
+    eager = _count_eager_forwards(rt)
     rt.forward_next(["x"], [len(long)], torch.tensor([5]))
-    assert rt.graphs.captures == 1 and rt.kv_bytes > 0
+    assert rt.kv_bytes > 0
     got = rt.forward_next(["x"], [len(long) + 1], torch.tensor([6]))  # position 256: a 17th block, width 32
-    assert rt.graphs.captures == 2
     assert torch.allclose(got[0], _reference_logits(ref, long + [5, 6])[-1], atol=1e-4)
     for r in ("y", "z"):
         rt.add(r)
     rt.forward(["y", "z"], [0, 0], [[3, 4, 5], [6, 7]])
-    got = rt.forward_next(["x", "z"], [len(long) + 2, 2], torch.tensor([8, 9]))
-    assert rt.graphs.captures == 3  # three requests: bucket 4
+    got = rt.forward_next(["x", "z"], [len(long) + 2, 2], torch.tensor([8, 9]))  # two rows of three: bucket 2
+    assert eager == [(2, 3)], "only the catch-up ran eagerly"
+    assert rt.graphs.captures == captured
     assert torch.allclose(got[0], _reference_logits(ref, long + [5, 6, 8])[-1], atol=1e-4)
     assert torch.allclose(got[1], _reference_logits(ref, [6, 7, 9])[-1], atol=1e-4)
     assert rt._k[0].data_ptr() == pool
 
 
-def test_a_failed_capture_drafts_eagerly_from_then_on(caplog):
+def test_a_failed_capture_drafts_eagerly(caplog):
     ref = _llama()
 
     def broken(step, inputs, pool):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     rt = _runtime(_save(ref), broken)
-    rt.add("a")
-    rt.forward(["a"], [0], [[1, 2, 3, 4]])
     with caplog.at_level(logging.WARNING, logger="vllm.usd"):
+        rt.add("a")  # takes the memory: the captures fail here, at start-up
+        rt.forward(["a"], [0], [[1, 2, 3, 4]])
         got = rt.forward_next(["a"], [4], torch.tensor([5]))
         again = rt.forward_next(["a"], [5], torch.tensor([6]))
-    assert rt.graphs.failed
-    assert sum("runs eagerly from now on" in r.getMessage() for r in caplog.records) == 1
+    assert rt.graphs.failed and rt.graphs.captures == 0
+    assert sum("runs eagerly" in r.getMessage() for r in caplog.records) == 1
     assert torch.allclose(got[0], _reference_logits(ref, [1, 2, 3, 4, 5])[-1], atol=1e-4)
     assert torch.allclose(again[0], _reference_logits(ref, [1, 2, 3, 4, 5, 6])[-1], atol=1e-4)
 
@@ -160,6 +166,6 @@ def test_a_capture_failure_on_one_rank_sends_every_rank_eager():
     for t in threads:
         t.join()
     assert votes == [False, True] or votes == [True, False], votes
-    assert all(rt.graphs.failed for rt in runtimes) and runtimes[0].graphs.captures == 1
+    assert all(rt.graphs.failed and rt.graphs.captures == 0 for rt in runtimes)
     for a, b in zip(got[0], got[1]):
         assert torch.equal(a, b), "both ranks ran the same (eager) step"

@@ -7,9 +7,11 @@ past each row's position. Padding rows point every entry at the scratch block,
 so what they write and read is nobody's. The KV pool is allocated once and
 never moves, so a capture stays valid for the runtime's life.
 
-Capturing runs the step on the real inputs of the call that needs it: the
-warm-up runs and the capture write the same KV the call would write, so
-nothing is left that the call does not also produce.
+Every graph is captured at start-up (``capture_all``, from the runtime's
+``allocate``, before vLLM sizes its KV cache), for each batch bucket and each
+table width in a fixed set (powers of two up to a row's most blocks), on
+inputs that touch only the scratch block; serving only replays, and a shape
+without a graph runs eagerly.
 
 Lossless whatever the captured logits are: q is built from the logits the
 drafts were sampled from. Every tensor-parallel rank sees the same batch sizes
@@ -43,20 +45,25 @@ def capture_cuda_graph(step: Callable[..., torch.Tensor], inputs: tuple[torch.Te
             step(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: only this thread is barred from unsafe calls while it captures, so vLLM's own threads
-    # (output copies, say) keep working; the capture happens mid-serving, not at start-up
+    # thread_local: only this thread is barred from unsafe calls while it captures, so other threads of the
+    # worker keep working
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = step(*inputs)
     return graph.replay, out
 
 
-class DecodeGraphs:
-    """Fixed-shape decode steps, captured lazily per ``(bucket, width)`` and replayed after."""
+def widths(max_blocks: int) -> tuple[int, ...]:
+    """The table widths graphs are captured at: powers of two, and ``max_blocks`` (a row's most blocks)."""
+    return tuple(sorted({min(1 << i, max_blocks) for i in range(max(max_blocks - 1, 0).bit_length() + 1)}))
 
-    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, *, max_rows: int,
+
+class DecodeGraphs:
+    """Fixed-shape decode steps, captured at start-up for every ``(bucket, width)`` and only replayed after."""
+
+    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, *, max_rows: int, max_blocks: int,
                  capture: Capture = capture_cuda_graph, agree: Callable[[bool], bool] = lambda failed: failed) -> None:
-        """``agree(failed)``: whether a capture failed on any tensor-parallel rank (every rank captures the same
-        shape at the same step and must go on alike: a rank that ran eagerly would compute other logits)."""
+        """``agree(failed)``: whether capturing failed on any tensor-parallel rank (every rank must run the
+        same path: a rank that ran eagerly would compute other logits, and so other q)."""
         # step(tokens [R, 1], pos [R, 1], table [R, NB], sel_rows [R], sel_cols [R]) -> [R, V] float32
         self._step = step
         self._device = device
@@ -64,11 +71,16 @@ class DecodeGraphs:
         self._agree = agree
         # past the largest bucket the step runs eagerly
         self.buckets = tuple(b for b in BUCKETS if b < max_rows) + ((max_rows,) if max_rows <= BUCKETS[-1] else ())
+        self.widths = widths(max_blocks)
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._captured: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self.failed = False
-        self.captures = 0
         self.failure: BaseException | None = None  # why capture failed (counted by the proposer)
+        self.nbytes = 0  # device memory the captures took (graph pool and outputs), where it can be read
+
+    @property
+    def captures(self) -> int:
+        return len(self._captured)
 
     def bucket(self, rows: int) -> int | None:
         """The smallest bucket that holds ``rows`` slot rows; None past the largest."""
@@ -77,50 +89,61 @@ class DecodeGraphs:
                 return b
         return None
 
+    def capture_all(self, num_outputs: int) -> None:
+        """Capture every (bucket, width), at start-up, on inputs that write and read only the scratch block
+        (block 0). Each bucket's graphs write their logits into one [bucket, num_outputs] buffer, so that
+        the widths of a bucket share it. A failure anywhere (any rank) leaves every step eager."""
+        before = torch.cuda.memory_reserved(self._device) if self._device.type == "cuda" else 0
+        failure = None
+        for bucket in self.buckets:
+            out = torch.empty(bucket, num_outputs, dtype=torch.float32, device=self._device)
+            for width in self.widths:
+                try:
+                    self._capture_bucket(bucket, width, out)
+                except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
+                    failure = exc
+                    break
+            if failure is not None:
+                break
+        if self._agree(failure is not None):
+            self._give_up(failure or RuntimeError("capturing the drafter's decode step failed on another rank"))
+        elif self._device.type == "cuda":
+            self.nbytes = torch.cuda.memory_reserved(self._device) - before
+
     def run(self, bucket: int, width: int, tokens: torch.Tensor, pos: torch.Tensor,
             table: torch.Tensor) -> torch.Tensor | None:
-        """Logits of rows ``0..bucket-1`` ([bucket, V], valid until the next call), or None when capture
-        failed (the caller then runs the eager step, now and from then on).
+        """Logits of rows ``0..bucket-1`` ([bucket, V], valid until the next call), or None where no graph
+        was captured for this shape (the caller then runs the eager step).
 
         tokens, pos: [bucket, 1]; table: [bucket, width]; all on the device.
         """
-        if self.failed:
-            return None
         entry = self._captured.get((bucket, width))
         if entry is None:
-            entry = self._capture_bucket(bucket, width, (tokens, pos, table))
-            if self._agree(entry is None):
-                if entry is not None:
-                    self._give_up(RuntimeError("capturing the drafter's decode step failed on another rank"))
-                return None
-            replay, out, _ = entry
-            replay()  # the capture recorded kernels; with a real graph nothing has run on these inputs yet
-            return out
+            return None
         replay, out, static = entry
         for buffer, value in zip(static, (tokens, pos, table)):
             buffer.copy_(value)
         replay()
         return out
 
-    def _capture_bucket(self, bucket: int, width: int, inputs: tuple[torch.Tensor, ...]):
+    def _capture_bucket(self, bucket: int, width: int, out: torch.Tensor) -> None:
         # every tensor the step reads is a static input, kept with the entry: a graph holds no reference to
         # what it read, so a tensor only the step's closure knew would be freed and its memory reused
-        rows = torch.arange(bucket, device=self._device)
-        cols = torch.zeros(bucket, dtype=torch.long, device=self._device)
-        static = tuple(t.clone() for t in inputs) + (rows, cols)
-        try:
-            replay, out = self._capture(self._step, static, self._pool)
-        except Exception as exc:  # noqa: BLE001 - a drafter that cannot be captured still drafts, eagerly
-            self._give_up(exc)
-            return None
-        self.captures += 1
-        entry = (replay, out, static)
-        self._captured[(bucket, width)] = entry
-        return entry
+        dev = self._device
+        static = (torch.zeros(bucket, 1, dtype=torch.long, device=dev), torch.zeros(bucket, 1, dtype=torch.long, device=dev),
+                  torch.zeros(bucket, width, dtype=torch.long, device=dev),  # every row on the scratch block
+                  torch.arange(bucket, device=dev), torch.zeros(bucket, dtype=torch.long, device=dev), out)
+        step = self._step
+
+        def into_out(tokens, pos, table, rows, cols, out):  # the step's logits land in the bucket's buffer
+            return out.copy_(step(tokens, pos, table, rows, cols))
+
+        replay, result = self._capture(into_out, static, self._pool)
+        self._captured[(bucket, width)] = (replay, result, static)
 
     def _give_up(self, exc: BaseException) -> None:
         self.failed = True
         self.failure = exc
         self._captured.clear()
-        logger.warning("vllm-usd: capturing the drafter's decode step failed (%s: %s); it runs eagerly from "
-                       "now on. Start vLLM with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)
+        logger.warning("vllm-usd: capturing the drafter's decode step failed (%s: %s); it runs eagerly. Start vLLM "
+                       "with enforce_eager=True to skip the attempt.", type(exc).__name__, exc)

@@ -120,7 +120,9 @@ class HFDrafterRuntime(DrafterRuntime):
         self._tokens: dict[str, list[int]] = {}
         # ids appended by forward_next and not yet known on the host: (ids [B] on device, [(req_id, index)])
         self._unsettled: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
-        self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, capture=capture, agree=agree) \
+        self.workspace_bytes = 0  # what the largest catch-up took beside the KV pool (read on a GPU)
+        self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, max_blocks=self._max_blocks,
+                                   capture=capture, agree=agree) \
             if capture is not None else None
 
     # -- memory ---------------------------------------------------------------------------
@@ -155,7 +157,12 @@ class HFDrafterRuntime(DrafterRuntime):
         self._k = [pool[i, 0] for i in range(self._num_layers)]
         self._v = [pool[i, 1] for i in range(self._num_layers)]
         self._free = list(range(self.num_blocks, SCRATCH, -1))
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         self._reserve_workspace()
+        if self.device.type == "cuda":
+            self.workspace_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        if self.graphs is not None:
+            self.graphs.capture_all(self.num_outputs)
 
     @torch.inference_mode()
     def _reserve_workspace(self) -> None:
@@ -184,6 +191,8 @@ class HFDrafterRuntime(DrafterRuntime):
 
     # -- requests ------------------------------------------------------------------
     def set_output_rows(self, rows: torch.Tensor) -> None:
+        if self._k:  # the workspace was sized, and graphs captured, on the head as it was
+            raise RuntimeError("set_output_rows after allocate(): call it before the drafter's memory is taken")
         full = self.model.get_output_embeddings()
         rows = rows.to(self.device)
         self._head_weight = full.weight.index_select(0, rows).to(self._head_dtype).contiguous()

@@ -56,12 +56,18 @@ def describe(runtime: DrafterRuntime, q_buffer: DraftProbsBuffer) -> str:
     from vllm_usd.drafter.hf_runtime import BLOCK_SIZE, HFDrafterRuntime
 
     kv = runtime.planned_kv_bytes
+    parts = []
     if isinstance(runtime, HFDrafterRuntime):
-        held = (f"{runtime.num_blocks} blocks of {BLOCK_SIZE} tokens, {runtime.num_blocks * BLOCK_SIZE} tokens "
-                f"across requests; attention: {KERNEL}")
+        parts.append(f"KV cache {kv / _MIB:.1f} MiB ({runtime.num_blocks} blocks of {BLOCK_SIZE} tokens, "
+                     f"{runtime.num_blocks * BLOCK_SIZE} tokens across requests; attention: {KERNEL})")
+        parts.append(f"catch-up workspace {runtime.workspace_bytes / _MIB:.1f} MiB")
+        graphs = runtime.graphs
+        parts.append("no decode graphs" if graphs is None or graphs.failed else
+                     f"{graphs.captures} decode graphs ({len(graphs.buckets)} batch sizes x {len(graphs.widths)} "
+                     f"table widths) {graphs.nbytes / _MIB:.1f} MiB")
     else:
-        held = "llama.cpp's own, fixed when it loaded"
-    q = (f"q buffer {q_buffer.planned_bytes / _MIB:.1f} MiB (drafter_max_num_seqs {q_buffer.max_rows} x k {q_buffer.k} x "
-         f"target vocabulary {q_buffer.vocab} x 4 B)" if q_buffer.needed else "no q buffer (no draft carries a q)")
-    return (f"vllm-usd: drafter memory on {runtime.device}, fixed from start-up: KV cache {kv / _MIB:.1f} MiB "
-            f"({held}); {q}")
+        parts.append(f"KV cache {kv / _MIB:.1f} MiB (llama.cpp's own, fixed when it loaded)")
+    parts.append(f"q buffer {q_buffer.planned_bytes / _MIB:.1f} MiB (drafter_max_num_seqs {q_buffer.max_rows} x k "
+                 f"{q_buffer.k} x target vocabulary {q_buffer.vocab} x 4 B)" if q_buffer.needed
+                 else "no q buffer (no draft carries a q)")
+    return f"vllm-usd: drafter memory on {runtime.device}, fixed from start-up: {'; '.join(parts)}"
