@@ -112,17 +112,22 @@ class DecodeGraphs:
 
     def run(self, bucket: int, width: int, tokens: torch.Tensor, pos: torch.Tensor,
             table: torch.Tensor) -> torch.Tensor | None:
-        """Logits of rows ``0..bucket-1`` ([bucket, V], valid until the next call), or None where no graph
-        was captured for this shape (the caller then runs the eager step).
+        """Logits ([bucket, V], rows past ``tokens``' padding; valid until the next call), or None where no
+        graph was captured for this shape (the caller then runs the eager step).
 
-        tokens, pos: [bucket, 1]; table: [bucket, width]; all on the device.
+        tokens, pos: [R] one new token per row and its position; table: [R, w <= width]; on the device.
+        They are written into the graph's own inputs in place: nothing is allocated on the device.
         """
         entry = self._captured.get((bucket, width))
         if entry is None:
             return None
-        replay, out, static = entry
-        for buffer, value in zip(static, (tokens, pos, table)):
-            buffer.copy_(value)
+        replay, out, (st_tokens, st_pos, st_table, *_) = entry
+        rows = tokens.shape[0]
+        st_tokens[:rows, 0].copy_(tokens)
+        st_pos[:rows, 0].copy_(pos)
+        st_pos[rows:].zero_()  # padding rows: position 0 on the scratch block, read by nobody
+        st_table.zero_()  # SCRATCH (block 0) past each row's blocks
+        st_table[:rows, :table.shape[1]].copy_(table)
         replay()
         return out
 

@@ -370,13 +370,6 @@ class HFDrafterRuntime(DrafterRuntime):
         if bucket is None:
             return None
         need = max(table.shape[1], -(-(max(keep) + 1) // BLOCK_SIZE))
-        width = min(1 << (need - 1).bit_length(), self._max_blocks)  # power-of-two widths: few captures
-        dev = self.device
-        static_tokens = torch.zeros(bucket, 1, dtype=torch.long, device=dev)
-        static_tokens[:rows, 0] = tokens.to(dev)
-        static_pos = torch.zeros(bucket, 1, dtype=torch.long, device=dev)
-        static_pos[:rows, 0] = pos
-        static_table = torch.full((bucket, width), SCRATCH, dtype=torch.long, device=dev)
-        static_table[:rows, :table.shape[1]] = table
-        out = self.graphs.run(bucket, width, static_tokens, static_pos, static_table)  # [bucket, V]
+        width = min(1 << (need - 1).bit_length(), self._max_blocks)  # the captured widths: powers of two
+        out = self.graphs.run(bucket, width, tokens.to(self.device), pos, table)  # [bucket, V]
         return out[:rows].clone() if out is not None else None
