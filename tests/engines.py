@@ -23,7 +23,7 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     """An ``LLM`` for ``model``, with vllm-usd drafting from ``drafter`` if given.
 
     ``proposer``: a class from tests.faults to use instead of vllm_usd.UniversalProposer.
-    Drafting is at a fixed k (``adaptive_length: false``) unless ``usd`` says otherwise:
+    Drafting is at a fixed k (``adaptive_length: false``), for up to ``max_num_seqs`` rows, unless ``usd`` says otherwise:
     most engine tests check the drafting machinery and count drafts at every batch size;
     the tests with ``adaptive_length`` on say so.
     """
@@ -41,11 +41,15 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
         # covers the conversion): these tests check the drafting machinery, not the drafter's format
         pinned = {} if glob.glob(os.path.join(drafter, "*.gguf")) or "drafter_gguf" in (usd or {}) else \
             {"drafter_runtime": "transformers"}
+        # drafter_max_num_seqs as vLLM's: these tests draft at every batch size they run (the default bound, 64
+        # rows, is tested in test_proposer_lifecycle)
+        pinned["drafter_max_num_seqs"] = args["max_num_seqs"]
         args.update(vllm_usd.speculative_args(drafter=drafter, k=k, **{"adaptive_length": False, **pinned,
                                                                       **(usd or {})}))
     if proposer is not None:  # the engine's processes import it by name
         args["speculative_config"]["model"] = f"{proposer.__module__}.{proposer.__qualname__}"
-        env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    # the workers import tests.faults: a proposer class named above, or a fault planted later (tests.faults.planted)
+    env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     saved = {key: os.environ.get(key) for key in (env or {})}
     os.environ.update(env or {})
     llm = LLM(model=model, **args)

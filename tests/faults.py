@@ -1,13 +1,18 @@
 """Planted bugs: proposers that each break one invariant, for the tests that must catch them.
 
-The shipped package has no fault switch. A test names one of these classes as
-vLLM's ``custom_class`` proposer (``tests.faults.ScrambleQProposer``);
-``tests.engines.engine(..., proposer=ScrambleQProposer)`` names the class and
-puts the repository on the engine processes' ``PYTHONPATH`` so that the workers
-can import it.
+The shipped package has no fault switch. A test either names one of these classes as
+vLLM's ``custom_class`` proposer (``tests.engines.engine(..., proposer=ScrambleQProposer)``
+names the class; the repository is on the engine processes' ``PYTHONPATH``), or, for a
+fault that changes only what a step does, plants it in a running engine of the shipped
+proposer (``with planted(llm, ScrambleQProposer):``): every worker's live proposer takes the
+fault's class for the block, so one engine checks the sound proposer and then shows that the
+same check catches the fault, without a second start-up.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -31,7 +36,8 @@ class OmitQProposer(UniversalProposer):
 
 
 class NoCpuFixProposer(UniversalProposer):
-    """Leaves vLLM's broken CPU expand_batch_to_tokens in place (docs/cpu-expand-bug.md)."""
+    """Leaves vLLM's broken CPU expand_batch_to_tokens in place (docs/cpu-expand-bug.md). Planted in a
+    running engine, vLLM's own function is put back for the block (``_swap_class``)."""
 
     patches = ("runner_hook",)
 
@@ -48,12 +54,9 @@ class StringWithQProposer(UniversalProposer):
     """Hands a q for string drafts, which were not sampled from any (uniform over the intersection):
     vLLM then accepts them far too often."""
 
-    def __init__(self, vllm_config) -> None:
-        super().__init__(vllm_config)
-        self._q_buffer.needed = True  # string drafting alone allocates no q buffer: this bug needs one
-
     def _hand_over(self, parts, batch, drafts) -> None:
         super()._hand_over(parts, batch, drafts)
+        self._q_buffer.needed = True  # string drafting alone allocates no q buffer: this bug needs one
         if batch is None and parts:
             rows = [r for part, _ in parts for r in part.rows]
             n = self.mapping.size
@@ -106,3 +109,36 @@ class SlowTargetProposer(UniversalProposer):
 
         timings = super()._startup_timings(target_model)
         return dataclasses.replace(timings, target=tuple((n, s + self.SLOWER) for n, s in timings.target))
+
+
+_FIXED_EXPAND: list[Any] = []  # a worker's fixed expand_batch_to_tokens while NoCpuFixProposer is planted
+
+
+def _swap_class(worker: Any, name: str | None) -> str:
+    """In a worker (``llm.collective_rpc``): its proposer becomes this module's class ``name``, or
+    UniversalProposer again for None. NoCpuFixProposer also puts vLLM's broken expand back."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    from vllm_usd.vllm_adapter.compat import worker_drafter
+
+    cls = UniversalProposer if name is None else globals()[name]
+    if cls is NoCpuFixProposer:
+        _FIXED_EXPAND.append(rs.expand_batch_to_tokens)
+        rs.expand_batch_to_tokens = rs.expand_batch_to_tokens.__vllm_usd_wrapped__
+    elif _FIXED_EXPAND:
+        rs.expand_batch_to_tokens = _FIXED_EXPAND.pop()
+    proposer = worker_drafter(worker)
+    proposer.__class__ = cls
+    return type(proposer).__name__
+
+
+@contextlib.contextmanager
+def planted(llm: Any, fault: type[UniversalProposer]) -> Iterator[None]:
+    """Every worker's proposer runs as ``fault`` inside the block. Only faults that change what a step
+    does can be planted this way: not those that act at start-up (``__init__``, the native probe)."""
+    assert not {"__init__", "probe_child", "_startup_timings"} & set(vars(fault)), f"{fault.__name__} acts at start-up"
+    assert llm.collective_rpc(_swap_class, args=(fault.__name__,))[0] == fault.__name__
+    try:
+        yield
+    finally:
+        llm.collective_rpc(_swap_class, args=(None,))

@@ -14,6 +14,9 @@ are where a wrong q shows. Handing *no* q for a sampled draft is not a bug:
 vLLM then treats the draft as a point mass, which is lossless for any draft
 that does not depend on the target's randomness; it only lowers acceptance
 (checked below).
+
+The planted bugs that change only what a step does run in the engine of the sound
+proposer they are compared with (``tests.faults.planted``), after its own checks.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import pytest
 
 from tests.engines import engine, proposer_stats, spec_counts, token_ids
 from tests.faults import (CrashWithExtraBuffersProbeProposer, NoCpuFixProposer, OmitQProposer, ScrambleQProposer,
-                          StringWithQProposer)
+                          StringWithQProposer, planted)
 from tests.prompts import LOWERCASE
 from tests.stats import ALPHA, homogeneity_pvalue
 
@@ -105,7 +108,17 @@ def usd_k3(pair):
         # a one-token request makes vLLM run a step, which reports the finished ones
         llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
         out["stats_idle"] = proposer_stats(llm)
+        for fault, setting in PLANTED:
+            with planted(llm, fault):
+                out[fault.__name__] = _samples(llm, setting)
+        before = spec_counts(llm)
+        with planted(llm, OmitQProposer):
+            out["omit_q"] = _samples(llm, "t1")
+        out["omit_q_counts"] = _delta(spec_counts(llm), before)
         return out
+
+
+PLANTED = [(ScrambleQProposer, "t1"), (NoCpuFixProposer, "t07p09")]
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -122,20 +135,19 @@ def test_greedy_equal_k3_with_acceptance(baseline, usd_k3):
     assert counts["acceptance_length"] > 2.0, counts
 
 
-@pytest.mark.parametrize("k", [1, 5])
-def test_greedy_equal_other_k(pair, baseline, k):
+def test_greedy_equal_k5(pair, baseline):
     target, drafter = pair
-    with engine(target, drafter=drafter, k=k) as llm:
+    with engine(target, drafter=drafter, k=5) as llm:
         assert _greedy(llm) == baseline["greedy"]
         assert spec_counts(llm)["accepted"] > 0
 
 
-def test_greedy_equal_reversed_pair(pair):
-    """SentencePiece-style target, byte-level BPE drafter."""
+def test_greedy_equal_reversed_pair_k1(pair):
+    """SentencePiece-style target, byte-level BPE drafter, one draft a step (k = 3 and 5 run above)."""
     drafter, target = pair
     with engine(target) as llm:
         ref = _greedy(llm)
-    with engine(target, drafter=drafter, k=3) as llm:
+    with engine(target, drafter=drafter, k=1) as llm:
         assert _greedy(llm) == ref
         assert spec_counts(llm)["accepted"] > 0
 
@@ -171,25 +183,18 @@ def test_mixed_batch(baseline, usd_k3):
         assert usd_k3["mixed"][i] == usd_k3["mixed_again"][i], "seeded request did not reproduce"
 
 
-@pytest.mark.parametrize("fault,setting", [(ScrambleQProposer, "t1"), (NoCpuFixProposer, "t07p09")],
-                         ids=["scramble_q", "no_cpu_fix"])
-def test_planted_bug_is_caught(pair, baseline, fault, setting):
+@pytest.mark.parametrize("fault,setting", PLANTED, ids=["scramble_q", "no_cpu_fix"])
+def test_planted_bug_is_caught(baseline, usd_k3, fault, setting):
     """The same test must reject USD with q on the wrong ids, or without the CPU sampler fix."""
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, proposer=fault) as llm:
-        samples = _samples(llm, setting)
-    p = homogeneity_pvalue(baseline[setting], samples)
+    p = homogeneity_pvalue(baseline[setting], usd_k3[fault.__name__])
     print(f"planted bug {fault.__name__}: p = {p:.2e}")
     assert p < 1e-6, f"planted bug {fault.__name__} not detected: p = {p:.2e}"
 
 
-def test_no_q_is_lossless_but_accepts_less(pair, baseline, usd_k3):
+def test_no_q_is_lossless_but_accepts_less(baseline, usd_k3):
     """Sampled drafts without q: point masses to vLLM. Same distribution, lower acceptance."""
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, proposer=OmitQProposer) as llm:
-        samples = _samples(llm, "t1")
-        counts = spec_counts(llm)
-    p = homogeneity_pvalue(baseline["t1"], samples)
+    counts = usd_k3["omit_q_counts"]
+    p = homogeneity_pvalue(baseline["t1"], usd_k3["omit_q"])
     assert p >= ALPHA, f"p = {p:.2e}"
     assert counts["acceptance_length"] < usd_k3["t1_counts"]["acceptance_length"], (counts, usd_k3["t1_counts"])
 
@@ -210,6 +215,8 @@ def usd_adaptive(pair):
         for setting in SETTINGS:
             out[setting] = _samples(llm, setting)
         out["stats"] = proposer_stats(llm)
+        with planted(llm, ScrambleQProposer):
+            out["planted_scramble_q"] = _samples(llm, "t1")
         return out
 
 
@@ -244,12 +251,9 @@ def test_adaptive_sampling_distribution_unchanged(baseline, usd_adaptive, settin
     assert usd_adaptive["stats"]["counters"].get("confidence_cut_rows", 0) > 0, "the stop cut no sampled row's drafts"
 
 
-def test_adaptive_planted_bug_is_caught(pair, baseline):
+def test_adaptive_planted_bug_is_caught(baseline, usd_adaptive):
     """Ragged drafts (the confidence stop) must not hide a wrong q: q on the wrong ids is still rejected."""
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=32, usd=ADAPTIVE, proposer=ScrambleQProposer) as llm:
-        samples = _samples(llm, "t1")
-    p = homogeneity_pvalue(baseline["t1"], samples)
+    p = homogeneity_pvalue(baseline["t1"], usd_adaptive["planted_scramble_q"])
     print(f"planted bug ScrambleQProposer, adaptive lengths: p = {p:.2e}")
     assert p < 1e-6, f"planted bug not detected with adaptive lengths: p = {p:.2e}"
 
@@ -280,62 +284,116 @@ def drafter_gguf(pair, tmp_path_factory):
     return write_llama_gguf(pair[1], tmp_path_factory.mktemp("gguf") / "drafter-f32.gguf")
 
 
-@pytest.mark.parametrize("proposer,extra_buffers", [(None, True), (CrashWithExtraBuffersProbeProposer, False)],
-                         ids=["best_kernels", "planted_crash_no_extra_buffers"])
-def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, proposer, extra_buffers):
+def _llama_cpp_usd(drafter_gguf: str) -> dict:
+    return {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf, "drafter_gguf_type": "file"}  # F32 as is
+
+
+def _llama_cpp_run(llm) -> dict:
+    return {"greedy": _greedy(llm), "accepted": spec_counts(llm)["accepted"], "t1": _samples(llm, "t1"),
+            "stats": proposer_stats(llm)}
+
+
+@pytest.fixture(scope="module")
+def usd_llama_cpp(pair, drafter_gguf):
+    """The llama.cpp drafter with the best kernels and their extra buffer types, then a wrong q planted."""
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=_llama_cpp_usd(drafter_gguf)) as llm:
+        out = _llama_cpp_run(llm)
+        with planted(llm, ScrambleQProposer):
+            out["planted_scramble_q"] = _samples(llm, "t1")
+        return out
+
+
+@pytest.mark.parametrize("probe_crash", [False, True], ids=["best_kernels", "planted_crash_no_extra_buffers"])
+def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, probe_crash, request):
     """The drafter in llama.cpp as the native probe left it: the best kernels with their extra buffer types,
     or (a planted segfault with them) without. Greedy equal with drafts accepted, and the same
     sampling-distribution test (N = 30,000, pass at p >= ALPHA): q comes from the logits llama.cpp gave."""
-    target, drafter = pair
-    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf, "drafter_gguf_type": "file"}  # F32 as is
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=usd, proposer=proposer) as llm:
-        greedy = _greedy(llm)
-        accepted = spec_counts(llm)["accepted"]
-        samples = _samples(llm, "t1")
-        stats = proposer_stats(llm)
-    assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is extra_buffers
-    assert greedy == baseline["greedy"] and accepted > 0
-    p = homogeneity_pvalue(baseline["t1"], samples)
+    if probe_crash:
+        target, drafter = pair
+        with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=_llama_cpp_usd(drafter_gguf),
+                    proposer=CrashWithExtraBuffersProbeProposer) as llm:
+            run = _llama_cpp_run(llm)
+    else:
+        run = request.getfixturevalue("usd_llama_cpp")
+    stats = run["stats"]
+    assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is not probe_crash
+    assert run["greedy"] == baseline["greedy"] and run["accepted"] > 0
+    p = homogeneity_pvalue(baseline["t1"], run["t1"])
     print(f"llama.cpp drafter ({stats['drafter_probe']}): p = {p:.2e}")
     assert p >= ALPHA, f"USD with a llama.cpp drafter changed the output distribution: p = {p:.2e}"
 
 
-def test_llama_cpp_planted_bug_is_caught(pair, baseline, drafter_gguf):
+def test_llama_cpp_planted_bug_is_caught(baseline, usd_llama_cpp):
     """The same test rejects q on the wrong ids with the llama.cpp runtime."""
-    target, drafter = pair
-    usd = {"drafter_runtime": "llama_cpp", "drafter_gguf": drafter_gguf, "drafter_gguf_type": "file"}  # F32 as is
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd=usd, proposer=ScrambleQProposer) as llm:
-        samples = _samples(llm, "t1")
-        assert proposer_stats(llm)["drafter_runtime"] == "llama_cpp"
-    p = homogeneity_pvalue(baseline["t1"], samples)
+    assert usd_llama_cpp["stats"]["drafter_runtime"] == "llama_cpp"
+    p = homogeneity_pvalue(baseline["t1"], usd_llama_cpp["planted_scramble_q"])
     print(f"planted bug ScrambleQProposer, llama.cpp drafter: p = {p:.2e}")
     assert p < 1e-6, f"planted bug not detected with a llama.cpp drafter: p = {p:.2e}"
 
 
 # -- usd.draft_mode = "string" on sampled requests --------------------------------------------------
-def test_string_drafts_on_sampled_requests_are_lossless(pair, baseline):
-    """String drafts carry no q, so vLLM verifies them as point masses: greedy equal, and the same
-    sampling-distribution test (N = 30,000 per setting, pass at p >= ALPHA) on both settings."""
+@pytest.fixture(scope="module")
+def usd_string(pair):
     target, drafter = pair
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd={"draft_mode": "string"}) as llm:
-        greedy = _greedy(llm)
-        samples = {s: _samples(llm, s) for s in SETTINGS}
-        counts = spec_counts(llm)
-        stats = proposer_stats(llm)
-    assert greedy == baseline["greedy"]
+        out = {"greedy": _greedy(llm), **{s: _samples(llm, s) for s in SETTINGS}, "counts": spec_counts(llm),
+               "stats": proposer_stats(llm)}
+        with planted(llm, StringWithQProposer):
+            out["planted_string_with_q"] = _samples(llm, "t1")
+        return out
+
+
+def test_string_drafts_on_sampled_requests_are_lossless(baseline, usd_string):
+    """String drafts carry no q, so vLLM verifies them as point masses: greedy equal, and the same
+    sampling-distribution test (N = 30,000 per setting, pass at p >= ALPHA) on both settings."""
+    stats, counts = usd_string["stats"], usd_string["counts"]
+    assert usd_string["greedy"] == baseline["greedy"]
     assert stats["counters"]["string_rows"] > 0 and counts["accepted"] > 0, (stats["counters"], counts)
-    for setting, got in samples.items():
-        p = homogeneity_pvalue(baseline[setting], got)
+    for setting in SETTINGS:
+        p = homogeneity_pvalue(baseline[setting], usd_string[setting])
         print(f"string drafts, {setting}: p = {p:.2e}")
         assert p >= ALPHA, f"string drafts changed the output distribution ({setting}): p = {p:.2e}"
 
 
-def test_string_planted_bug_is_caught(pair, baseline):
+def test_string_planted_bug_is_caught(baseline, usd_string):
     """The same test rejects string drafts handed with a q they were not drawn from."""
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, usd={"draft_mode": "string"},
-                proposer=StringWithQProposer) as llm:
-        samples = _samples(llm, "t1")
-    p = homogeneity_pvalue(baseline["t1"], samples)
+    p = homogeneity_pvalue(baseline["t1"], usd_string["planted_string_with_q"])
     print(f"planted bug StringWithQProposer: p = {p:.2e}")
     assert p < 1e-6, f"planted bug not detected in string mode: p = {p:.2e}"
+
+
+# -- the graph path: decode steps replayed from graphs captured at start-up ---------------------------
+# VLLM_USD_CPU_GRAPHS=1: the CPU stand-in for CUDA graphs (drafter/graph_double.py), as strict as one,
+# captured for every (batch bucket, table width) when the drafter takes its memory. Each capture keeps
+# what it made (no shared pool), so the engine drafts for at most 16 rows. N_GRAPH = 10,000 samples per
+# side, pass at p >= ALPHA (false alarms 0.01%); the planted bug must still give p < 1e-6.
+N_GRAPH = 10_000
+
+
+@pytest.fixture(scope="module")
+def usd_graphs(pair):
+    target, drafter = pair
+    with engine(target, drafter=drafter, k=3, max_num_seqs=16, usd={"draft_mode": "tli"},
+                env={"VLLM_USD_CPU_GRAPHS": "1"}) as llm:
+        out = {"greedy": _greedy(llm), "t1": _samples(llm, "t1", N_GRAPH), "counts": spec_counts(llm),
+               "stats": proposer_stats(llm)}
+        with planted(llm, ScrambleQProposer):
+            out["planted_scramble_q"] = _samples(llm, "t1", N_GRAPH)
+        return out
+
+
+def test_the_graph_path_is_lossless_and_decodes_by_replay_only(baseline, usd_graphs):
+    stats, counts = usd_graphs["stats"], usd_graphs["counts"]
+    assert stats["decode_graphs"] > 0 and stats["decode_steps"]["replayed"] > 0, stats["decode_steps"]
+    assert stats["decode_steps"]["eager"] == 0, "a decode step ran eagerly beside the graphs"
+    assert usd_graphs["greedy"] == baseline["greedy"] and counts["accepted"] > 0, counts
+    p = homogeneity_pvalue(baseline["t1"], usd_graphs["t1"])
+    print(f"graph path: p = {p:.2e}")
+    assert p >= ALPHA, f"the graph path changed the output distribution: p = {p:.2e}"
+
+
+def test_graph_path_planted_bug_is_caught(baseline, usd_graphs):
+    p = homogeneity_pvalue(baseline["t1"], usd_graphs["planted_scramble_q"])
+    print(f"planted bug ScrambleQProposer, graph path: p = {p:.2e}")
+    assert p < 1e-6, f"planted bug not detected on the graph path: p = {p:.2e}"

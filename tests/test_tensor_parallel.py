@@ -15,6 +15,9 @@ with the same q, or the ranks' token histories silently diverge.
   completions with and without USD, chi-square homogeneity, pass at p >= ALPHA
   = 1e-4 (false-alarm rate 0.01%, tests/stats.py). Its power against a wrong q
   is shown at N = 30,000 in test_engine_distribution_pair.
+
+The two planted faults run in the TP=2 engine of the sound proposer, after its own checks
+(``tests.faults.planted``); each is judged on the digests and counts of its own steps.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 import pytest
 
 from tests.engines import engine, spec_counts, token_ids
-from tests.faults import FailOnRankOneProposer, RankRngProposer, SlowTargetProposer
+from tests.faults import FailOnRankOneProposer, RankRngProposer, SlowTargetProposer, planted
 from tests.prompts import LOWERCASE
 from tests.stats import ALPHA, homogeneity_pvalue
 
@@ -75,14 +78,32 @@ def tp1_plain(pair):
 
 @pytest.fixture(scope="module")
 def tp2_usd(pair):
+    from vllm import SamplingParams
+
     from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
+    from vllm_usd.vllm_adapter.failures import METRIC
 
     target, drafter = pair
+    sampled = SamplingParams(temperature=1.0, max_tokens=16)
     with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
                 distributed_executor_backend="mp", env=_bind_env(), usd={"debug_digests": True}) as llm:
         out = _run(llm)
         out["digests"] = llm.collective_rpc(draft_digests)
         out["stats"] = llm.collective_rpc(proposer_stats)
+        seen = len(out["digests"][0])
+        with planted(llm, FailOnRankOneProposer):
+            greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+            out["failing_greedy"] = token_ids(llm.generate(LOWERCASE, greedy, use_tqdm=False))
+            llm.generate([PROMPT] * 64, sampled, use_tqdm=False)
+        digests = llm.collective_rpc(draft_digests)
+        out["failing_digests"] = [d[seen:] for d in digests]
+        out["failing_stats"] = llm.collective_rpc(proposer_stats)
+        out["failing_metrics"] = {tuple(sorted(m.labels.items())): m.value for m in llm.get_metrics()
+                                  if m.name == METRIC}
+        seen = len(digests[0])
+        with planted(llm, RankRngProposer):
+            llm.generate([PROMPT] * 64, sampled, use_tqdm=False)
+        out["rank_rng_digests"] = [d[seen:] for d in llm.collective_rpc(draft_digests)]
         return out
 
 
@@ -114,17 +135,9 @@ def test_sampling_distribution_unchanged_at_tp2(tp1_plain, tp2_usd):
     assert p >= ALPHA, f"USD at TP=2 changed the output distribution: p = {p:.2e}"
 
 
-def test_digests_catch_rank_local_randomness_at_tp2(pair):
+def test_digests_catch_rank_local_randomness_at_tp2(tp2_usd):
     """Planted bug: each rank seeds drafting with its own rank. The ranks' digests must differ."""
-    from vllm import SamplingParams
-
-    from vllm_usd.vllm_adapter.debug import draft_digests
-
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, tensor_parallel_size=2, distributed_executor_backend="mp",
-                env=_bind_env(), usd={"debug_digests": True}, proposer=RankRngProposer) as llm:
-        llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
-        rank0, rank1 = llm.collective_rpc(draft_digests)
+    rank0, rank1 = tp2_usd["rank_rng_digests"]
     assert rank0 and rank1 and rank0 != rank1
 
 
@@ -164,27 +177,16 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
     assert rank0 and rank0 == rank1
 
 
-def test_a_drafting_failure_on_one_rank_drops_the_step_on_every_rank(pair, tp1_plain):
+def test_a_drafting_failure_on_one_rank_drops_the_step_on_every_rank(tp1_plain, tp2_usd):
     """Planted: drafting raises on rank 1 every third drafting step. Every rank must drop that step's
     drafts (rank 0's drafts verified against rank 1's missing q would split the ranks' histories):
     equal, non-empty digests, the same failed steps counted on both ranks, greedy output unchanged,
     and the failures on vLLM's Prometheus metrics."""
-    from vllm import SamplingParams
+    from vllm_usd.vllm_adapter.failures import PEER_FAILED
 
-    from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
-    from vllm_usd.vllm_adapter.failures import METRIC, PEER_FAILED
-
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
-                distributed_executor_backend="mp", env=_bind_env(), usd={"debug_digests": True},
-                proposer=FailOnRankOneProposer) as llm:
-        greedy = token_ids(llm.generate(LOWERCASE, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
-                                        use_tqdm=False))
-        llm.generate([PROMPT] * 64, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False)
-        rank0, rank1 = llm.collective_rpc(draft_digests)
-        stats = llm.collective_rpc(proposer_stats)
-        metrics = {tuple(sorted(m.labels.items())): m.value for m in llm.get_metrics() if m.name == METRIC}
-    assert greedy == tp1_plain["greedy"]
+    rank0, rank1 = tp2_usd["failing_digests"]
+    stats, metrics = tp2_usd["failing_stats"], tp2_usd["failing_metrics"]
+    assert tp2_usd["failing_greedy"] == tp1_plain["greedy"]
     assert rank0 and rank0 == rank1, f"{len(rank0)} and {len(rank1)} drafting steps"
     failed = stats[1]["failures"].get("RuntimeError", 0)
     assert failed > 0 and stats[0]["failures"] == {PEER_FAILED: failed}, [s["failures"] for s in stats]

@@ -15,6 +15,9 @@ the package, so that this file is the whole list:
     VLLM_USD_METRICS_DIR=DIR     where workers leave their drafting-failure counts for the Prometheus
                                  collector in the user's process; set there before the engine starts
                                  (vllm_adapter/failures.py), a fresh temporary folder by default
+    VLLM_USD_CPU_GRAPHS=1        on the CPU, the transformers drafter's decode steps go through the
+                                 graph path too: captured at start-up by drafter/graph_double.py, the
+                                 strict stand-in for CUDA graphs, and replayed (tests; slower than eager)
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ FIX_CPU_SAMPLER = "VLLM_USD_FIX_CPU_SAMPLER"
 SKIP_FINGERPRINTS = "VLLM_USD_SKIP_FINGERPRINTS"
 CACHE = "VLLM_USD_CACHE"
 METRICS_DIR = "VLLM_USD_METRICS_DIR"
+CPU_GRAPHS = "VLLM_USD_CPU_GRAPHS"
 
-ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE, METRICS_DIR)
+ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE, METRICS_DIR, CPU_GRAPHS)
 
 
 def _flag(name: str) -> bool:
@@ -44,6 +48,10 @@ def fix_cpu_sampler() -> bool:
 
 def skip_fingerprints() -> bool:
     return _flag(SKIP_FINGERPRINTS)
+
+
+def cpu_graphs() -> bool:
+    return _flag(CPU_GRAPHS)
 
 
 def set_fix_cpu_sampler() -> None:

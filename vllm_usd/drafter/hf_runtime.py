@@ -121,6 +121,7 @@ class HFDrafterRuntime(DrafterRuntime):
         # ids appended by forward_next and not yet known on the host: (ids [B] on device, [(req_id, index)])
         self._unsettled: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
         self.workspace_bytes = 0  # what the largest catch-up took beside the KV pool (read on a GPU)
+        self.decode_steps = {"replayed": 0, "eager": 0}  # forward_next calls, by path
         self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, max_blocks=self._max_blocks,
                                    capture=capture, agree=agree) \
             if capture is not None else None
@@ -281,6 +282,7 @@ class HFDrafterRuntime(DrafterRuntime):
         self._make_room(req_ids, [k + 1 for k in keep])
         table, pos = self._decode_rows(req_ids, keep)
         logits = self._replay_decode(table, pos, tokens, keep)
+        self.decode_steps["eager" if logits is None else "replayed"] += 1
         if logits is None:
             rows = len(req_ids)
             logits = self._step(tokens.to(self.device).view(rows, 1), pos.view(rows, 1), table,

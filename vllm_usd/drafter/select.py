@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_usd import envs
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafter.llama_cpp_runtime import NativeSettings
 from vllm_usd.drafter.loading import DrafterLoadError, load_drafter_model, read_drafter
@@ -235,6 +236,8 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
     capture = None
     if cuda_graphs and torch.device(choice.device).type == "cuda":
         from vllm_usd.drafter.decode_graphs import capture_cuda_graph as capture
+    elif envs.cpu_graphs() and torch.device(choice.device).type == "cpu":
+        from vllm_usd.drafter.graph_double import capture_recorded as capture
     runtime = HFDrafterRuntime(model, max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes,
                                capture=capture, agree=agree)
     return OpenedDrafter(runtime, tokenizer, int(model.get_output_embeddings().weight.shape[0]), choice)

@@ -217,6 +217,8 @@ class UniversalProposer:
             "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
             "drafter_kv_blocks": getattr(self.runtime, "num_blocks", None),
             "drafter_kv_free_blocks": getattr(self.runtime, "free_blocks", None),
+            "decode_steps": dict(getattr(self.runtime, "decode_steps", {})),
+            "decode_graphs": getattr(getattr(self.runtime, "graphs", None), "captures", 0),
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
             "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
