@@ -40,9 +40,10 @@ setup(
         # way a worker runs it only as the native probe allows (vllm_usd/drafter/native_probe.py).
         "llamacpp": ["llama-cpp-python==0.3.36"],
         # hypothesis: property tests; httpx, psutil: the soak; matplotlib: the benchmark plot
-        # (bench_smoke draws it); gguf: the tests use the demo pair too.
-        "test": ["pytest>=8", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests", "httpx", "psutil",
-                 "matplotlib"],
+        # (bench_smoke draws it); gguf: the tests use the demo pair too; pytest-xdist: two test files at once
+        # (scripts/test.sh: a vLLM engine keeps about one core busy, so one file at a time leaves the other idle).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "scipy", "gguf>=0.10", "openai>=1.0", "requests",
+                 "httpx", "psutil", "matplotlib"],
         "bench": ["matplotlib"],
     },
     entry_points={

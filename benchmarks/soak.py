@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/soak.py --minutes 30 --out soak.json
 
-1. Greedy reference: the target alone, offline (``LLM``), on the greedy request set.
+1. Greedy reference: the target alone, offline (``LLM``), on the greedy request set (or
+   ``--reference FILE``: the same, computed earlier, a JSON list of token-id lists).
 2. ``vllm-usd serve`` on 127.0.0.1 (a free port), USD on, the real pair by default
    (target Gemma-3-270m, drafter SmolLM2-135M-Instruct), with vllm-usd's worker
    extension so the proposer's state can be read through ``/collective_rpc``.
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--usd", action="append", default=[], metavar="KEY=VALUE",
                         help="a usd setting for the server (repeatable), as `vllm-usd serve --usd` takes it")
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
+    parser.add_argument("--reference", type=Path, help="the target alone's greedy token ids for the greedy "
+                        "request set (JSON list of lists), instead of computing them here")
     args = parser.parse_args(argv)
 
     if args.target is None or args.drafter is None:
@@ -227,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     reqs = greedy_requests()
     t0 = time.time()
-    reference = offline_reference(args.target, reqs, args.max_model_len)
+    if args.reference is not None:
+        reference = json.loads(args.reference.read_text())
+        if len(reference) != len(reqs):
+            raise SystemExit(f"soak: {args.reference} has {len(reference)} references for {len(reqs)} requests")
+    else:
+        reference = offline_reference(args.target, reqs, args.max_model_len)
     print(f"soak: offline reference for {len(reqs)} greedy requests in {time.time() - t0:.0f}s", flush=True)
 
     import requests

@@ -11,6 +11,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The files that take longest (engines on the real pair, the sampling tests), started first so that
+# the two test workers (scripts/test.sh) end together rather than one of them finishing alone.
+FIRST = ("test_real_pair.py", "test_engine_distribution_pair.py", "test_tensor_parallel.py", "test_feature_matrix.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: starts a vLLM engine (about 40 s each)")
     config.addinivalue_line("markers", "real_pair: needs the converted SmolLM2 / Gemma-3 pair")

@@ -89,6 +89,14 @@ class FailOnRankOneProposer(UniversalProposer):
         return super()._draft(rows, lengths)
 
 
+class TliForEveryRequest(UniversalProposer):
+    """Not a bug: intersection drafting with q (TLI) for greedy requests too, as usd.draft_mode "tli" does,
+    planted in an engine started in "auto" (whose drafter head is whole: TLI then selects the intersection)."""
+
+    def _drafts_text(self, temperature: float) -> bool:
+        return False
+
+
 class SlowTargetProposer(UniversalProposer):
     """Not a bug: the target looks 20 ms slower per forward, to the start-up timing and to the measured
     cycles alike (the wait comes before propose starts its clock), so that drafting the tiny pair pays

@@ -111,28 +111,54 @@ def _greedy(llm, n_tokens: int = 64):
 REAL_ENGINE = dict(max_model_len=1024, max_num_seqs=32)
 
 
+SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+
+
+def _soak_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def gemma_reference(real_pair):
-    """Gemma-3 alone: greedy output, and how long its engine took to start."""
+    """Gemma-3 alone: greedy output on PROMPTS and on the soak's greedy requests, and how long its engine
+    took to start."""
+    from vllm import SamplingParams
+
     started = time.perf_counter()
     with engine(real_pair["gemma3"], **REAL_ENGINE) as llm:
-        return {"start_s": time.perf_counter() - started, "greedy": _greedy(llm)}
+        start_s = time.perf_counter() - started
+        reqs = _soak_module().greedy_requests()
+        params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+        soak = token_ids(llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False))
+        return {"start_s": start_s, "greedy": _greedy(llm), "soak": soak}
 
 
 @pytest.mark.engine
 def test_greedy_equal_gemma_target_smollm_drafter(real_pair, gemma_reference):
-    """Both drafting modes: string-level (the default for greedy requests) and TLI."""
+    """Both drafting modes: string-level (the default for greedy requests), then TLI for every request
+    (planted in the same engine: ``tests.faults.TliForEveryRequest``)."""
     from vllm import SamplingParams
+
+    from tests.faults import TliForEveryRequest, planted
 
     ref = gemma_reference["greedy"]
     with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, **REAL_ENGINE) as llm:
         assert _greedy(llm) == ref
         string_counts = spec_counts(llm)
-        assert proposer_stats(llm)["counters"]["string_proposed"] > 0
-    with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, usd={"draft_mode": "tli"},
-                **REAL_ENGINE) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
-        counts = spec_counts(llm)
+        string_proposed = proposer_stats(llm)["counters"]["string_proposed"]
+        assert string_proposed > 0
+        with planted(llm, TliForEveryRequest):
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                                use_tqdm=False)
+        after = spec_counts(llm)
+        assert proposer_stats(llm)["counters"]["string_proposed"] == string_proposed, "TLI drafted no text"
+    counts = {key: after[key] - string_counts[key] for key in ("drafts", "draft_tokens", "accepted")}
+    counts["acceptance_length"] = 1 + counts["accepted"] / counts["drafts"] if counts["drafts"] else 1.0
     got = token_ids(outs)
     assert got == ref
     print(f"\nGemma-3 <- SmolLM2, k=3: TLI {counts}, string {string_counts}")
@@ -294,3 +320,31 @@ def test_server_completions_chat_stream_and_metrics(real_pair, smollm_reference,
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
     assert server.returncode is not None
+
+
+@pytest.mark.engine
+def test_served_soak_two_minutes(real_pair, gemma_reference, tmp_path):
+    """The served soak (benchmarks/soak.py) for 2 minutes: 16 concurrent streams, greedy and sampled, 10%
+    aborted mid-stream. The script checks: no 5xx or transport errors, /health at the end, every completed
+    greedy request equal to the target alone's (computed by this module's Gemma-3 engine), no drafter
+    state left, flat memory. Fixed k (``adaptive_length=false``): every step drafts, so the load is on the
+    drafting machinery; the draft-length controller would draft little at batch 16 on this CPU."""
+    out, reference = tmp_path / "soak.json", tmp_path / "reference.json"
+    reference.write_text(json.dumps(gemma_reference["soak"]))
+    res = subprocess.run([sys.executable, str(SOAK), "--minutes", "2", "--streams", "16", "--abort-rate", "0.1",
+                          "--target", real_pair["gemma3"], "--drafter", real_pair["smollm2"], "--reference",
+                          str(reference), "--usd", "adaptive_length=false", "--out", str(out)],
+                         capture_output=True, text=True, timeout=1200)
+    assert out.exists(), res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report.get("failure") is None, report["failure"]
+    failed = [name for name, ok in report["checks"].items() if not ok]
+    stats = report["stats"]
+    server_log = out.with_suffix(".server.log")
+    log_tail = server_log.read_text()[-4000:] if server_log.exists() else "(no server log)"
+    assert not failed, {"failed": failed, "errors": stats["errors"], "mismatches": stats["mismatches"],
+                        "proposer": report["proposer"], "memory": report["memory_verdict"],
+                        "server_log_tail": log_tail}
+    assert stats["served"] > 0 and stats["greedy_checked"] > 0 and stats["sampled"] > 0
+    assert report["acceptance_length"] and report["acceptance_length"] > 1.0
+    assert res.returncode == 0

@@ -14,7 +14,7 @@ with the same q, or the ranks' token histories silently diverge.
 - The sampling-distribution test at TP=2, smaller sample: N = 6,000 two-token
   completions with and without USD, chi-square homogeneity, pass at p >= ALPHA
   = 1e-4 (false-alarm rate 0.01%, tests/stats.py). Its power against a wrong q
-  is shown at N = 30,000 in test_engine_distribution_pair.
+  is shown at N = 12,000 in test_engine_distribution_pair.
 
 The two planted faults run in the TP=2 engine of the sound proposer, after its own checks
 (``tests.faults.planted``); each is judged on the digests and counts of its own steps.
