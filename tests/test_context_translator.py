@@ -144,3 +144,12 @@ def test_window_bounds_reencoding(setups):
     assert max(sizes) <= 16 + max(len(s.mapping.target_table.token_bytes[t]) for t in unshared)
     want = s.mapping.target_table.bytes_of((unshared * 40)[:300])
     assert s.mapping.draft_table.bytes_of(tr.draft_ids) + tr.pending_bytes == want
+
+
+@pytest.mark.parametrize("by_text", [False, True], ids=["tokens", "by_text"])
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("text", ["▁", "a ▁b▁ c", "▁▁\n▁"])
+def test_a_literal_space_mark_stays_itself(setups, pair, text, by_text):
+    """Hypothesis found it (2026-12-04): a SentencePiece drafter reads a literal "▁" as its space mark, so
+    re-encoded text came back as a space; the encoder now sends such a character through byte tokens."""
+    _run(setups[pair], text, [0, 1, 2], by_text=by_text)

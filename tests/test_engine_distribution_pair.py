@@ -126,6 +126,13 @@ def usd_k3(pair):
 PLANTED = [(ScrambleQProposer, "t1"), (NoCpuFixProposer, "t07p09")]
 
 
+def _assert_caught(expected: list, got: list, what: str) -> None:
+    """The sampling test rejects a planted bug: p < 1e-6."""
+    p = homogeneity_pvalue(expected, got)
+    print(f"planted bug, {what}: p = {p:.2e}")
+    assert p < 1e-6, f"planted bug not detected ({what}): p = {p:.2e}"
+
+
 def _delta(after: dict, before: dict) -> dict:
     d = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
     d["acceptance_length"] = 1 + d["accepted"] / d["drafts"] if d["drafts"] else 1.0
@@ -191,9 +198,7 @@ def test_mixed_batch(baseline, usd_k3):
 @pytest.mark.parametrize("fault,setting", PLANTED, ids=["scramble_q", "no_cpu_fix"])
 def test_planted_bug_is_caught(baseline, usd_k3, fault, setting):
     """The same test must reject USD with q on the wrong ids, or without the CPU sampler fix."""
-    p = homogeneity_pvalue(baseline[setting], usd_k3[fault.__name__])
-    print(f"planted bug {fault.__name__}: p = {p:.2e}")
-    assert p < 1e-6, f"planted bug {fault.__name__} not detected: p = {p:.2e}"
+    _assert_caught(baseline[setting], usd_k3[fault.__name__], fault.__name__)
 
 
 def test_no_q_is_lossless_but_accepts_less(baseline, usd_k3):
@@ -258,9 +263,7 @@ def test_adaptive_sampling_distribution_unchanged(baseline, usd_adaptive, settin
 
 def test_adaptive_planted_bug_is_caught(baseline, usd_adaptive):
     """Ragged drafts (the confidence stop) must not hide a wrong q: q on the wrong ids is still rejected."""
-    p = homogeneity_pvalue(baseline["t1"], usd_adaptive["planted_scramble_q"])
-    print(f"planted bug ScrambleQProposer, adaptive lengths: p = {p:.2e}")
-    assert p < 1e-6, f"planted bug not detected with adaptive lengths: p = {p:.2e}"
+    _assert_caught(baseline["t1"], usd_adaptive["planted_scramble_q"], "ScrambleQProposer, ragged drafts")
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float32"])
@@ -332,9 +335,7 @@ def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, probe_
 def test_llama_cpp_planted_bug_is_caught(baseline, usd_llama_cpp):
     """The same test rejects q on the wrong ids with the llama.cpp runtime."""
     assert usd_llama_cpp["stats"]["drafter_runtime"] == "llama_cpp"
-    p = homogeneity_pvalue(baseline["t1"], usd_llama_cpp["planted_scramble_q"])
-    print(f"planted bug ScrambleQProposer, llama.cpp drafter: p = {p:.2e}")
-    assert p < 1e-6, f"planted bug not detected with a llama.cpp drafter: p = {p:.2e}"
+    _assert_caught(baseline["t1"], usd_llama_cpp["planted_scramble_q"], "ScrambleQProposer, llama.cpp drafter")
 
 
 # -- usd.draft_mode = "string" on sampled requests --------------------------------------------------
@@ -363,9 +364,7 @@ def test_string_drafts_on_sampled_requests_are_lossless(baseline, usd_string):
 
 def test_string_planted_bug_is_caught(baseline, usd_string):
     """The same test rejects string drafts handed with a q they were not drawn from."""
-    p = homogeneity_pvalue(baseline["t1"], usd_string["planted_string_with_q"])
-    print(f"planted bug StringWithQProposer: p = {p:.2e}")
-    assert p < 1e-6, f"planted bug not detected in string mode: p = {p:.2e}"
+    _assert_caught(baseline["t1"], usd_string["planted_string_with_q"], "StringWithQProposer")
 
 
 # -- the graph path: decode steps replayed from graphs captured at start-up ---------------------------
@@ -398,6 +397,4 @@ def test_the_graph_path_is_lossless_and_decodes_by_replay_only(baseline, usd_gra
 
 
 def test_graph_path_planted_bug_is_caught(baseline, usd_graphs):
-    p = homogeneity_pvalue(baseline["t1"], usd_graphs["planted_scramble_q"])
-    print(f"planted bug ScrambleQProposer, graph path: p = {p:.2e}")
-    assert p < 1e-6, f"planted bug not detected on the graph path: p = {p:.2e}"
+    _assert_caught(baseline["t1"], usd_graphs["planted_scramble_q"], "ScrambleQProposer, graph path")

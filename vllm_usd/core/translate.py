@@ -65,7 +65,23 @@ class FragmentEncoder:
                 self.byte_ids[b[0]] = tid
 
     def encode(self, data: bytes) -> list[int]:
-        """Drafter ids for ``data``; bytes that are not valid UTF-8 go through byte tokens."""
+        """Drafter ids that stand for exactly ``data`` where the drafter has byte tokens: bytes that are not
+        valid UTF-8 go through them, and so does a character the tokenizer does not give back byte for byte
+        (a literal "▁" to a SentencePiece drafter, which reads it as its space mark; a normalised one)."""
+        ids = self._encode(data)
+        if not self.byte_ids or self._table.bytes_of(ids) == data:
+            return ids
+        exact: list[int] = []
+        for ch in data.decode("utf-8", errors="surrogateescape"):
+            raw = ch.encode("utf-8", errors="surrogateescape")
+            piece = self._encode(raw)
+            if self._table.bytes_of(piece) != raw and all(b in self.byte_ids for b in raw):
+                piece = [self.byte_ids[b] for b in raw]
+            exact.extend(piece)
+        return exact
+
+    def _encode(self, data: bytes) -> list[int]:
+        """The tokenizer's ids for ``data``; bytes that are not valid UTF-8 go through byte tokens."""
         ids: list[int] = []
         text = data.decode("utf-8", errors="surrogateescape")
         chunk: list[str] = []
