@@ -14,8 +14,9 @@ runs it). Checks, each with "ok"; exit code 1 when one fails:
   host read, and a string-drafting step one per drafter forward. Counted by
   ``SyncCounter``, and on cuda by ``torch.cuda.set_sync_debug_mode("warn")``: any other
   synchronizing call fails the check;
-- graph_replay: every (batch bucket, table width) graph is captured when the drafter takes its
-  memory, before serving (``vllm_usd/drafter/decode_graphs.py``); decode steps then replay them
+- graph_replay: every (tokens per row, batch bucket, table width) graph is captured when the drafter
+  takes its memory, before serving (``vllm_usd/drafter/decode_graphs.py``); decode steps and the
+  catch-up after verification (up to k + 1 tokens per row) then replay them
   only (no eager forward, no new capture, reserved memory unchanged) after memory the graphs
   must not read was filled with junk, and give the eager runtime's logits through idle and
   rolled-back rows; on cuda also the decode-step times with and without graphs. On the CPU,
@@ -175,8 +176,9 @@ def graph_replay(device: str) -> dict:
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32,
                                                  attn_implementation=ATTN_NAME).to(device).eval()
-    eager = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26)
-    graphs = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26, capture=capture)
+    eager = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26, catch_up_tokens=4)
+    graphs = HFDrafterRuntime(model, max_len=256, max_requests=4, kv_budget_bytes=1 << 26, capture=capture,
+                              catch_up_tokens=4)
     prompts = {"a": list(range(20, 41)), "b": list(range(100, 106)), "c": list(range(7, 19))}
     errors = []
     for rt in (eager, graphs):
@@ -200,11 +202,15 @@ def graph_replay(device: str) -> dict:
         want = eager.forward_next(rows, keep, ids)
         got = graphs.forward_next(rows, keep, ids)
         errors.append(float((got - want).abs().max()))
+    # the catch-up after verification (1..k+1 tokens per row, here k = 3) replays the k + 1 graph
+    rows, keep = ["c", "a", "b"], [n["c"] + 1, n["a"] + 3, n["b"] + 1]
+    new = [[60, 61, 62, 63], [64], [65, 66]]
+    errors.append(float((graphs.forward(rows, keep, new) - eager.forward(rows, keep, new)).abs().max()))
     same_cache = all(eager.cached_tokens(r) == graphs.cached_tokens(r) for r in prompts)
     grew = torch.cuda.memory_reserved() - reserved if on_cuda else 0
     out = {"capture": "cuda_graph" if on_cuda else "capture_recorded (no CUDA graph on this device)",
            "max_abs_err": max(errors), "captured_at_start": captured,
-           "expected": len(graphs.graphs.buckets) * len(graphs.graphs.widths),
+           "expected": 2 * len(graphs.graphs.buckets) * len(graphs.graphs.widths),
            "captured_while_serving": graphs.graphs.captures - captured, "eager_decodes": len(eager_decodes),
            "reserved_growth_bytes": grew, "capture_failed": graphs.graphs.failed,
            "decode_ms": _graph_decode_times(device) if on_cuda else None}

@@ -169,3 +169,38 @@ def test_a_capture_failure_on_one_rank_sends_every_rank_eager():
     assert all(rt.graphs.failed and rt.graphs.captures == 0 for rt in runtimes)
     for a, b in zip(got[0], got[1]):
         assert torch.equal(a, b), "both ranks ran the same (eager) step"
+
+
+@pytest.mark.parametrize("make", [_llama, _gemma3], ids=["llama", "gemma3-sliding"])
+def test_the_catch_up_after_verification_replays_a_captured_step_padded_to_k_plus_1(make):
+    """Issue 39: after verification each row feeds its accepted drafts and the bonus token (1..k+1 per row).
+    That catch-up replays the step captured for k + 1 tokens per row, padding written to the scratch block:
+    the reference logits, no eager forward, and the padding touches no row's cache (the next decode is
+    still exact)."""
+    ref = make()
+    from transformers import AutoModelForCausalLM
+
+    from vllm_usd.drafter.attention import ATTN_NAME, register_attention
+
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(_save(ref), attn_implementation=ATTN_NAME).eval()
+    rt = HFDrafterRuntime(model, max_len=64, max_requests=4, kv_budget_bytes=1 << 30, capture=capture_recorded,
+                          catch_up_tokens=4)
+    seqs = {"a": list(range(20, 34)), "b": list(range(100, 106)), "c": list(range(7, 19))}  # a ends at a block's edge
+    for r in seqs:
+        rt.add(r)
+    rt.forward(list(seqs), [0] * 3, list(seqs.values()))  # a prompt: 12..14 tokens, more than 4
+    assert rt.forwards == {"replayed": 0, "eager": 0, "long": 1}
+    eager = _count_eager_forwards(rt)
+    # a keeps all 14 and adds 4 (into a new block), b rolls back one and adds 1, c keeps 10 and adds 2
+    new = {"a": [40, 41, 42, 43], "b": [44], "c": [45, 46]}
+    keep = {"a": 14, "b": 5, "c": 10}
+    got = rt.forward(list(new), list(keep.values()), list(new.values()))
+    for i, r in enumerate(new):
+        seqs[r] = seqs[r][:keep[r]] + new[r]
+        assert torch.allclose(got[i], _reference_logits(ref, seqs[r])[-1], atol=1e-4), r
+    nxt = rt.forward_next(["a", "b", "c"], [len(seqs[r]) for r in ("a", "b", "c")], torch.tensor([50, 51, 52]))
+    for i, (r, t) in enumerate(zip(("a", "b", "c"), (50, 51, 52))):
+        assert torch.allclose(nxt[i], _reference_logits(ref, seqs[r] + [t])[-1], atol=1e-4), r
+    assert eager == [] and rt.forwards["replayed"] == 2 and rt.forwards["eager"] == 0
+    assert rt.graphs.captures == 2 * len(rt.graphs.buckets) * len(rt.graphs.widths)

@@ -31,7 +31,8 @@ def test_gpu_check_runs_and_reports_every_check_on_the_cpu():
     # no CUDA graph on the CPU: the captured step's fixed shapes, replayed eagerly, against the exact step
     graphs = summary["graph_replay"]
     assert graphs["ok"] and graphs["capture"].startswith("capture_recorded")
-    # buckets 1, 2, 4 (max 4 requests) x widths 1..16 blocks (max_len 256), all before the first decode
-    assert graphs["captured_at_start"] == graphs["expected"] == 3 * 5
+    # tokens per row 1 and k + 1 = 4 x buckets 1, 2, 4 (max 4 requests) x widths 1..16 blocks (max_len 256),
+    # all before the first decode
+    assert graphs["captured_at_start"] == graphs["expected"] == 2 * 3 * 5
     assert graphs["captured_while_serving"] == 0 and graphs["eager_decodes"] == 0
     assert graphs["max_abs_err"] < 1e-3 and graphs["decode_ms"] is None

@@ -97,7 +97,8 @@ class DrafterRuntime(ABC):
     ) -> torch.Tensor:
         """For each request: keep its first ``keep[i]`` cached tokens, append
         ``new_tokens[i]`` (non-empty), and return the logits after the last
-        one. Returns [len(req_ids), num_outputs] float32.
+        one. Returns [len(req_ids), num_outputs] float32, valid until the next forward (a
+        captured step returns its own output buffer).
         """
 
     def forward_next(

@@ -86,9 +86,11 @@ class HFDrafterRuntime(DrafterRuntime):
     """A transformers causal LM with a private paged KV cache."""
 
     def __init__(self, model, *, max_len: int, max_requests: int, kv_budget_bytes: int,
-                 capture: Capture | None = None, agree: Callable[[bool], bool] = lambda failed: failed) -> None:
-        """``capture``: how to capture the one-token decode step (``decode_graphs.capture_cuda_graph`` on a
-        GPU); None runs every step eagerly. ``agree``: whether a capture failed on any tensor-parallel rank. The KV pool holds ``kv_budget_bytes``, or what
+                 capture: Capture | None = None, agree: Callable[[bool], bool] = lambda failed: failed,
+                 catch_up_tokens: int = 1) -> None:
+        """``capture``: how to capture the fixed-shape steps (``decode_graphs.capture_cuda_graph`` on a
+        GPU); None runs every step eagerly. ``catch_up_tokens``: the most new tokens per row of the
+        captured catch-up (k + 1: the accepted drafts and the bonus token). ``agree``: whether a capture failed on any tensor-parallel rank. The KV pool holds ``kv_budget_bytes``, or what
         ``max_requests`` requests of ``max_len`` tokens need if that is less."""
         self.model = model
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -121,9 +123,12 @@ class HFDrafterRuntime(DrafterRuntime):
         # ids appended by forward_next and not yet known on the host: (ids [B] on device, [(req_id, index)])
         self._unsettled: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
         self.workspace_bytes = 0  # what the largest catch-up took beside the KV pool (read on a GPU)
-        self.decode_steps = {"replayed": 0, "eager": 0}  # forward_next calls, by path
+        # forwards by path: a graph replay; eager where a captured step would hold its shape (no graph:
+        # off, failed, or past the largest bucket); "long" for more new tokens per row than any graph's
+        self.forwards = {"replayed": 0, "eager": 0, "long": 0}
+        self._graph_tokens = (1, catch_up_tokens)
         self.graphs = DecodeGraphs(self._step, self.device, max_rows=max_requests, max_blocks=self._max_blocks,
-                                   capture=capture, agree=agree) \
+                                   token_counts=self._graph_tokens, capture=capture, agree=agree) \
             if capture is not None else None
 
     # -- memory ---------------------------------------------------------------------------
@@ -176,7 +181,7 @@ class HFDrafterRuntime(DrafterRuntime):
             pos = torch.arange(self.max_len - t, self.max_len, device=dev).expand(rows, t)  # [rows, t]
             table = torch.full((rows, self._max_blocks), SCRATCH, dtype=torch.long, device=dev)
             self._step(torch.zeros(rows, t, dtype=torch.long, device=dev), pos, table,
-                       torch.arange(rows, device=dev), torch.full((rows,), t - 1, dtype=torch.long, device=dev))
+                       torch.full((rows,), t - 1, dtype=torch.long, device=dev))
 
     def reserve(self, req_id: str, length: int) -> bool:
         """Blocks for ``length`` tokens of ``req_id``; False (nothing taken) when the pool has too few."""
@@ -259,17 +264,17 @@ class HFDrafterRuntime(DrafterRuntime):
                 new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         self._settle()
         self._make_room(req_ids, [k + len(t) for k, t in zip(keep, new_tokens)])
-        out = torch.empty(len(req_ids), self.num_outputs, dtype=torch.float32, device=self.device)
         long_rows = [i for i, t in enumerate(new_tokens) if len(t) > PREFILL_SPLIT]
+        if not long_rows:  # the steady case: one forward, a replay where a captured step holds it
+            return self._run_host(req_ids, keep, new_tokens)
         short_rows = [i for i, t in enumerate(new_tokens) if len(t) <= PREFILL_SPLIT]
+        out = torch.empty(len(req_ids), self.num_outputs, dtype=torch.float32, device=self.device)
         for i in long_rows:
             tokens = new_tokens[i]
             for start in range(0, len(tokens), CATCH_UP_CHUNK):
                 logits = self._run_host([req_ids[i]], [keep[i] + start], [tokens[start:start + CATCH_UP_CHUNK]])
             out[i] = logits[0]
-        if len(short_rows) == len(req_ids):
-            out[:] = self._run_host(req_ids, keep, new_tokens)
-        elif short_rows:
+        if short_rows:
             out[to_device(short_rows, torch.long, self.device)] = self._run_host(
                 [req_ids[i] for i in short_rows], [keep[i] for i in short_rows], [new_tokens[i] for i in short_rows])
         return out
@@ -281,13 +286,12 @@ class HFDrafterRuntime(DrafterRuntime):
         them, each right after its last token) reuse its block tables and positions on the device."""
         self._make_room(req_ids, [k + 1 for k in keep])
         table, pos = self._decode_rows(req_ids, keep)
-        logits = self._replay_decode(table, pos, tokens, keep)
-        self.decode_steps["eager" if logits is None else "replayed"] += 1
+        rows = len(req_ids)
+        tokens_d, pos_d = tokens.to(self.device).view(rows, 1), pos.view(rows, 1)
+        logits = self._replay(tokens_d, pos_d, table, None) if self.graphs is not None else None
         if logits is None:
-            rows = len(req_ids)
-            logits = self._step(tokens.to(self.device).view(rows, 1), pos.view(rows, 1), table,
-                                torch.arange(rows, device=self.device), torch.zeros(rows, dtype=torch.long,
-                                                                                     device=self.device))
+            self.forwards["eager"] += 1
+            logits = self._step(tokens_d, pos_d, table, torch.zeros(rows, dtype=torch.long, device=self.device))
         where = []
         for r, k in zip(req_ids, keep):
             toks = self._tokens[r]
@@ -315,63 +319,69 @@ class HFDrafterRuntime(DrafterRuntime):
         table = [self._blocks[r] + [SCRATCH] * (width - len(self._blocks[r])) for r in req_ids]
         return to_device(table, torch.long, self.device)  # [B, width]
 
-    def _step(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, sel_rows: torch.Tensor,
-              sel_cols: torch.Tensor) -> torch.Tensor:
+    def _step(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """The forward: tensors in, logits out, no host reads and no global state, so it traces whole
         (tests/test_drafter_runtime.py compiles it with fullgraph=True).
 
         tokens, pos: [R, T] new ids and their positions; table: [R, NB] each row's blocks, covering every
-        position in ``pos``; sel_rows, sel_cols: [B] where each requested row's last new token is.
-        Returns [B, num_outputs] float32.
+        real position in ``pos``; last: [R] each row's last real new token. Tokens past ``last`` are
+        padding: their keys and values go to the scratch block, and their outputs are not read.
+        Returns [R, num_outputs] float32, the logits after each row's last real token.
         """
-        block = table.gather(1, torch.div(pos, BLOCK_SIZE, rounding_mode="floor"))  # [R, T]
-        slots = (block * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)  # [R * T] into the flat pool
+        real = torch.arange(tokens.shape[1], device=tokens.device) <= last.unsqueeze(1)  # [R, T]
+        block = table.gather(1, torch.where(real, torch.div(pos, BLOCK_SIZE, rounding_mode="floor"), 0))  # [R, T]
+        slots = torch.where(real, block * BLOCK_SIZE + pos % BLOCK_SIZE, SCRATCH).reshape(-1)  # [R * T]
         batch = PagedBatch.build(pos, table.shape[1] * BLOCK_SIZE)
         hidden = self._base(
             input_ids=tokens, position_ids=pos, attention_mask=batch.causal,
             past_key_values=_PagedCacheView(self, table, slots), use_cache=True, **{BATCH_KWARG: batch},
         ).last_hidden_state  # [R, T, hidden]
-        last = hidden[sel_rows, sel_cols].to(self._head_dtype)  # [B, hidden]
-        logits = torch.nn.functional.linear(last, self._head_weight, self._head_bias).float()  # [B, num_outputs]
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        final = hidden[rows, last].to(self._head_dtype)  # [R, hidden]
+        logits = torch.nn.functional.linear(final, self._head_weight, self._head_bias).float()  # [R, num_outputs]
         if self._final_softcap:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits
 
     def _run_host(self, req_ids: Sequence[str], keep: Sequence[int],
                   new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One batched forward of host ids (a catch-up, a prompt); its rows then stay on the device."""
+        """One batched forward of host ids (a catch-up, a prompt): a replay where a captured step holds its
+        shape, else eager. Its rows then stay on the device for the next position's forward."""
         rows_n, t_max = len(req_ids), max(len(t) for t in new_tokens)
         dev = self.device
-        tokens = [list(t) + [0] * (t_max - len(t)) for t in new_tokens]
-        # every position a row computes, padding included, has a table entry (SCRATCH past its blocks)
-        width = max(max(len(self._blocks[r]) for r in req_ids), -(-(max(keep) + t_max) // BLOCK_SIZE))
-        pos = to_device(list(keep), torch.long, dev).unsqueeze(1) + torch.arange(t_max, device=dev)  # [R, T]
-        table = self._table(req_ids, width)
-        logits = self._step(to_device(tokens, torch.long, dev), pos, table, torch.arange(rows_n, device=dev),
-                            to_device([len(t) - 1 for t in new_tokens], torch.long, dev))
+        t_graph = self.graphs.tokens_for(t_max) if self.graphs is not None else None
+        t_pad = t_graph or t_max
+        # padding repeats each row's last token and position: it writes to the scratch block, read by nobody
+        tokens = [list(t) + [t[-1]] * (t_pad - len(t)) for t in new_tokens]
+        positions = [[k + min(j, len(t) - 1) for j in range(t_pad)] for k, t in zip(keep, new_tokens)]
+        table = self._table(req_ids, max(len(self._blocks[r]) for r in req_ids))  # [R, blocks]
+        tokens_d, pos_d = to_device(tokens, torch.long, dev), to_device(positions, torch.long, dev)
+        last = to_device([len(t) - 1 for t in new_tokens], torch.long, dev)
+        logits = self._replay(tokens_d, pos_d, table, last) if t_graph is not None else None
+        if logits is None:
+            self.forwards["eager" if t_max <= max(self._graph_tokens) else "long"] += 1
+            logits = self._step(tokens_d, pos_d, table, last)
         for r, k, new in zip(req_ids, keep, new_tokens):
             toks = self._tokens[r]
             del toks[k:]
             toks.extend(new)
         ends = [k + len(t) for k, t in zip(keep, new_tokens)]
-        # the next decode reads the rows' own blocks: padding may have widened the table past any row's
-        # (and past a decode graph's widest table, max_len's blocks)
-        blocks = max(len(self._blocks[r]) for r in req_ids)
-        self._rows = _DecodeRows(tuple(req_ids), ends, table[:, :blocks], to_device(ends, torch.long, dev),
-                                 self._version)
+        self._rows = _DecodeRows(tuple(req_ids), ends, table, to_device(ends, torch.long, dev), self._version)
         return logits
 
-    def _replay_decode(self, table: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor,
-                       keep: Sequence[int]) -> torch.Tensor | None:
-        """The one-token step through the graph captured for the bucket holding these rows and a table
-        wide enough; None where no bucket holds them (the eager step runs instead)."""
-        if self.graphs is None:
-            return None
+    def _replay(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor,
+                last: torch.Tensor | None) -> torch.Tensor | None:
+        """The step through the graph captured for the bucket holding these rows, their padded token count
+        and a table wide enough; None where no graph holds them (the eager step runs instead).
+        tokens, pos: [R, T] (T a captured count); table: [R, w]; last: [R] (None: every row uses all T)."""
         rows = table.shape[0]
         bucket = self.graphs.bucket(rows)
         if bucket is None:
             return None
-        need = max(table.shape[1], -(-(max(keep) + 1) // BLOCK_SIZE))
-        width = min(1 << (need - 1).bit_length(), self._max_blocks)  # the captured widths: powers of two
-        out = self.graphs.run(bucket, width, tokens.to(self.device), pos, table)  # [bucket, V]
-        return out[:rows].clone() if out is not None else None
+        # the captured widths: powers of two; the table covers every real position (padding writes to scratch)
+        width = min(1 << (table.shape[1] - 1).bit_length(), self._max_blocks)
+        out = self.graphs.run(bucket, width, tokens, pos, table, last)  # [bucket, V]
+        if out is None:
+            return None
+        self.forwards["replayed"] += 1
+        return out[:rows]  # the graph's own output: read before the next forward

@@ -202,13 +202,14 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
                  cpus: frozenset[int] | None = None, cuda_graphs: bool = False,
                  probe_on: Callable[[Callable[[], DrafterChoice]], DrafterChoice] = _run_here,
                  probe_timeout_s: float = 120.0, probe_child: str | None = None,
-                 agree: Callable[[bool], bool] = lambda failed: failed) -> OpenedDrafter:
+                 agree: Callable[[bool], bool] = lambda failed: failed, catch_up_tokens: int = 1) -> OpenedDrafter:
     """Load the drafter as ``choice`` says and wrap it in its runtime.
 
     ``cpus``: the CPUs llama.cpp drafts on, a thread each (default: ``drafter_cpus()``); the
     transformers runtime uses torch's threads, which vLLM's worker sets.
-    ``cuda_graphs``: on a CUDA device, replay the transformers drafter's one-token decode step
-    from CUDA graphs captured per batch bucket (``decode_graphs.py``); elsewhere it has no effect.
+    ``cuda_graphs``: on a CUDA device, replay the transformers drafter's one-token decode step and its
+    catch-up of up to ``catch_up_tokens`` per row (k + 1) from CUDA graphs captured per batch bucket
+    (``decode_graphs.py``); elsewhere it has no effect.
     A llama.cpp choice not yet probed is probed first (``proven``), by ``probe_on``: in this
     process, or under tensor parallelism on rank 0 with the verdict sent to every rank.
     ``agree``: whether a decode-graph capture failed on any tensor-parallel rank (``compat.tp_any``).
@@ -239,5 +240,5 @@ def open_drafter(path: str, choice: DrafterChoice, *, max_len: int, max_requests
     elif envs.cpu_graphs() and torch.device(choice.device).type == "cpu":
         from vllm_usd.drafter.graph_double import capture_recorded as capture
     runtime = HFDrafterRuntime(model, max_len=max_len, max_requests=max_requests, kv_budget_bytes=kv_budget_bytes,
-                               capture=capture, agree=agree)
+                               capture=capture, agree=agree, catch_up_tokens=catch_up_tokens)
     return OpenedDrafter(runtime, tokenizer, int(model.get_output_embeddings().weight.shape[0]), choice)

@@ -72,7 +72,7 @@ class UniversalProposer:
             revision=cfg.drafter_revision, trust_remote_code=trust,
             cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.workers(vllm_config)),
             probe_on=compat.computed_on_tp_rank0, probe_timeout_s=self.probe_timeout_s, probe_child=self.probe_child,
-            agree=compat.tp_any,
+            agree=compat.tp_any, catch_up_tokens=self.k + 1,
         )
         self.runtime, self.draft_tokenizer = opened.runtime, opened.tokenizer
         self.choice = opened.choice  # with the GGUF type resolved
@@ -217,7 +217,7 @@ class UniversalProposer:
             "drafter_kv_bytes": self.runtime.kv_bytes, "q_buffer_bytes": self._q_buffer.nbytes,
             "drafter_kv_blocks": getattr(self.runtime, "num_blocks", None),
             "drafter_kv_free_blocks": getattr(self.runtime, "free_blocks", None),
-            "decode_steps": dict(getattr(self.runtime, "decode_steps", {})),
+            "drafter_forwards": dict(getattr(self.runtime, "forwards", {})),
             "decode_graphs": getattr(getattr(self.runtime, "graphs", None), "captures", 0),
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
