@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
@@ -104,10 +105,15 @@ def capture_recorded(step: Callable[..., torch.Tensor], inputs: tuple[torch.Tens
     del recorder, step
 
     def replay() -> None:
-        for func, leaves, spec, recorded in ops:
-            args, kwargs = tree_unflatten([x.get() if isinstance(x, _External) else x for x in leaves], spec)
-            for new, old in zip(tree_flatten(func(*args, **kwargs))[0], recorded):
-                if old is not None and new is not old:
-                    old.copy_(new)
+        with _disable_current_modes():  # one opaque launch, as a graph's: no Python mode sees its operations
+            _run(ops)
 
     return replay, out
+
+
+def _run(ops: list) -> None:
+    for func, leaves, spec, recorded in ops:
+        args, kwargs = tree_unflatten([x.get() if isinstance(x, _External) else x for x in leaves], spec)
+        for new, old in zip(tree_flatten(func(*args, **kwargs))[0], recorded):
+            if old is not None and new is not old:
+                old.copy_(new)

@@ -163,12 +163,12 @@ class HFDrafterRuntime(DrafterRuntime):
         self._k = [pool[i, 0] for i in range(self._num_layers)]
         self._v = [pool[i, 1] for i in range(self._num_layers)]
         self._free = list(range(self.num_blocks, SCRATCH, -1))
-        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        self._reserve_workspace()
-        if self.device.type == "cuda":
-            self.workspace_bytes = torch.cuda.memory_reserved(self.device) - reserved
         if self.graphs is not None:
             self.graphs.capture_all(self.num_outputs)
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        self._reserve_workspace()  # with the graphs' memory held, as it is while serving
+        if self.device.type == "cuda":
+            self.workspace_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
     @torch.inference_mode()
     def _reserve_workspace(self) -> None:
@@ -216,6 +216,7 @@ class HFDrafterRuntime(DrafterRuntime):
     def _release(self, req_id: str) -> None:
         self._free.extend(reversed(self._blocks.pop(req_id)))
         self._version += 1
+        self._rows = None  # stale now (the tables changed): nothing held for it
 
     def cached_tokens(self, req_id: str) -> list[int]:
         self._settle()

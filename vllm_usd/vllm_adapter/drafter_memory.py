@@ -63,8 +63,9 @@ def describe(runtime: DrafterRuntime, q_buffer: DraftProbsBuffer) -> str:
         parts.append(f"catch-up workspace {runtime.workspace_bytes / _MIB:.1f} MiB")
         graphs = runtime.graphs
         parts.append("no decode graphs" if graphs is None or graphs.failed else
-                     f"{graphs.captures} decode graphs ({len(graphs.buckets)} batch sizes x {len(graphs.widths)} "
-                     f"table widths) {graphs.nbytes / _MIB:.1f} MiB")
+                     f"{graphs.captures} drafter graphs ({'/'.join(map(str, graphs.token_counts))} tokens per row x "
+                     f"{len(graphs.buckets)} batch sizes x {len(graphs.widths)} table widths) "
+                     f"{graphs.nbytes / _MIB:.1f} MiB")
     else:
         parts.append(f"KV cache {kv / _MIB:.1f} MiB (llama.cpp's own, fixed when it loaded)")
     parts.append(f"q buffer {q_buffer.planned_bytes / _MIB:.1f} MiB (drafter_max_num_seqs {q_buffer.max_rows} x k "
