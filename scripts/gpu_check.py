@@ -78,7 +78,7 @@ def paged_vs_contiguous(device: str) -> dict:
 
 def q_sums_to_one(device: str) -> dict:
     from vllm_usd.core.sampling import DraftSamplingParams, sample_drafts
-    from vllm_usd.core.seeding import position_generators
+    from vllm_usd.core.seeding import DraftUniforms
     from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
 
     torch.manual_seed(0)
@@ -88,8 +88,8 @@ def q_sums_to_one(device: str) -> dict:
     params = DraftSamplingParams.from_lists(temperature=[0.0, 0.7, 1.0, 1.3, 0.9, 1.0], top_k=[0, 0, 20, 0, 5, 0],
                                             top_p=[1.0, 0.9, 1.0, 0.8, 1.0, 1.0],
                                             greedy=[True, False, False, False, False, False], device=device)
-    params.generators, shared = position_generators([1, 2, 3, 4, 5, 6], [10] * batch, [False, True] * 3, 0, device)
-    index, q = sample_drafts(logits, params, shared)
+    uniforms = DraftUniforms().draw([1, 2, 3, 4, 5, 6], [10] * batch, [False, True] * 3, 0, depth=1)[:, 0]
+    index, q = sample_drafts(logits, params, uniforms.to(device))
     buf = DraftProbsBuffer(k, vocab, target_ids, device, max_rows=batch).fill(list(range(batch)), [q, q], batch)  # [B, k, V]
     sums = q.sum(-1)
     outside = torch.ones(vocab, dtype=torch.bool, device=device)

@@ -62,7 +62,7 @@ def test_draws_follow_q():
             temperature=params.temperature.repeat_interleave(500).tolist(),
             top_k=params.top_k.repeat_interleave(500).tolist(),
             top_p=params.top_p.repeat_interleave(500).tolist(), greedy=[False] * batch.shape[0])
-        idx, q = sample_drafts(batch, p, gen)
+        idx, q = sample_drafts(batch, p, torch.rand(batch.shape[0], generator=gen))
         assert bool((q.gather(1, idx[:, None]) > 0).all()), "q(draft) must be > 0"
         counts += torch.nn.functional.one_hot(idx, 12).view(len(CASES), 500, 12).sum(1).float()
         q_seen = q.view(len(CASES), 500, 12)[:, 0]
@@ -80,7 +80,7 @@ def test_draws_follow_q():
 def test_greedy_rows_are_argmax_with_one_hot_q():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
     params = DraftSamplingParams.from_lists([0.0, 1.0, 0.0, 0.8], [0] * 4, [1.0] * 4, [True, False, True, False])
-    idx, q = sample_drafts(logits, params, torch.Generator().manual_seed(0))
+    idx, q = sample_drafts(logits, params, torch.rand(4, generator=torch.Generator().manual_seed(0)))
     for row in (0, 2):
         assert idx[row] == logits[row].argmax()
         assert q[row].sum() == 1 and q[row, idx[row]] == 1
@@ -91,19 +91,20 @@ def test_greedy_rows_are_argmax_with_one_hot_q():
     assert torch.equal(idx2, logits.argmax(-1)) and torch.equal(q2.sum(-1), torch.ones(4))
 
 
-def test_seeded_rows_reproduce_and_are_independent_of_the_batch():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
-
-    def draw(shared_seed: int) -> list[int]:
-        gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(9)]
-        p = DraftSamplingParams.from_lists([1.0] * 3, [0] * 3, [1.0] * 3, [False] * 3, gens)
-        out = []
-        for _ in range(20):
-            idx, _ = sample_drafts(logits, p, torch.Generator().manual_seed(shared_seed))
-            out.append((int(idx[0]), int(idx[2])))
-        return out
-
-    assert draw(0) == draw(123), "seeded rows must not depend on the shared generator"
+def test_a_draw_is_q_s_inverse_cdf_and_never_lands_on_a_token_q_leaves_out():
+    """Each row's index is the first token whose cumulative q passes the row's uniform; tokens that
+    top-k or top-p remove (q = 0), before, between or after the kept ones, are never drawn, even at
+    uniforms 0 and just below 1."""
+    logits = torch.tensor([[0.0, 5.0, -9.0, 4.0, 0.5, 4.5, -50.0]] * 5)
+    params = DraftSamplingParams.from_lists([1.0] * 5, [3] * 5, [1.0] * 5, [False] * 5)
+    u = torch.tensor([0.0, 0.3, 0.5, 0.99, 1.0 - 2 ** -24])
+    idx, q = sample_drafts(logits, params, u)
+    cdf = q.cumsum(-1)
+    for row in range(5):
+        i = int(idx[row])
+        assert q[row, i] > 0, (row, i)
+        assert float(cdf[row, i - 1] if i else 0.0) <= float(u[row]) * float(cdf[row, -1]) < float(cdf[row, i])
+    assert set(idx.tolist()) <= {1, 3, 5} and idx[0] == 1 and idx[-1] == 5
 
 
 def test_scatter_keeps_q_on_the_right_target_ids():
@@ -160,21 +161,23 @@ def test_request_keys_are_stable_across_processes():
     assert all(0 <= mix_seed(a, 1 << 70) < 1 << 63 for a in range(5))
 
 
-def test_position_generators_seed_by_row_key_and_position():
-    from vllm_usd.core.seeding import position_generators
+def test_draft_uniforms_seed_by_row_key_and_position():
+    from vllm_usd.core.seeding import DraftUniforms
+
+    uniforms = DraftUniforms()
 
     def draws(keys, positions, seeded, salt=0):
-        rows, shared = position_generators(keys, positions, seeded, salt)
-        own = [None if g is None else torch.randint(1 << 30, (1,), generator=g).item() for g in rows]
-        return own, torch.randint(1 << 30, (1,), generator=shared).item()
+        return uniforms.draw(keys, positions, seeded, salt, depth=3).tolist()
 
-    own_a, shared_a = draws([11, 22], [5, 9], [True, False])
-    own_b, shared_b = draws([11, 33], [5, 9], [True, False])
-    assert own_a[0] == own_b[0], "a seeded row ignores the rest of the batch"
-    assert shared_a != shared_b, "the shared generator depends on the unseeded rows"
-    assert draws([11, 22], [5, 9], [True, False]) == (own_a, shared_a)
-    assert draws([11, 22], [6, 9], [True, False])[0][0] != own_a[0], "next position, new draw"
-    assert draws([11, 22], [5, 9], [True, False], salt=1)[1] != shared_a
+    a = draws([11, 22], [5, 9], [True, False])
+    b = draws([11, 33], [5, 9], [True, False])
+    assert a[0] == b[0], "a seeded row ignores the rest of the batch"
+    assert a[1] != b[1], "the shared draws depend on the unseeded rows"
+    assert draws([11, 22], [5, 9], [True, False]) == a, "the same inputs, the same draws (every rank alike)"
+    assert DraftUniforms().draw([11, 22], [5, 9], [True, False], 0, 3).tolist() == a, "no state between draws"
+    assert draws([11, 22], [6, 9], [True, False])[0] != a[0], "the next step, new draws"
+    assert draws([11, 22], [5, 9], [True, False], salt=1)[1] != a[1]
+    assert len({x for row in a for x in row}) == 6 and all(0.0 <= x < 1.0 for row in a for x in row)
 
 
 def test_draft_probs_buffer_is_allocated_once_at_its_bound():

@@ -18,8 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 
 def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (nested lists) as a tensor on ``device``; on CUDA an asynchronous copy from pinned memory."""
-    host = torch.tensor(values, dtype=dtype)
+    """``values`` (nested lists, or a host tensor) as a tensor on ``device``; on CUDA an asynchronous copy
+    from pinned memory."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host if device.type == "cpu" else host.to(device)

@@ -26,15 +26,12 @@ class DraftSamplingParams:
     top_k:       [B] int64, <= 0 or >= n means off.
     top_p:       [B] float, >= 1 means off.
     greedy:      [B] bool.
-    generators:  per row, a torch.Generator for seeded requests, else None
-                 (those rows share ``shared_generator``).
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     greedy: torch.Tensor
-    generators: list[torch.Generator | None]
     any_top_k: bool = False
     any_top_p: bool = False
     all_greedy: bool = False
@@ -48,16 +45,13 @@ class DraftSamplingParams:
         top_k: list[int],
         top_p: list[float],
         greedy: list[bool],
-        generators: list[torch.Generator | None] | None = None,
         device: torch.device | str = "cpu",
     ) -> "DraftSamplingParams":
-        b = len(temperature)
         return cls(
             temperature=to_device(temperature, torch.float32, torch.device(device)),
             top_k=to_device(top_k, torch.long, torch.device(device)),
             top_p=to_device(top_p, torch.float32, torch.device(device)),
             greedy=to_device(greedy, torch.bool, torch.device(device)),
-            generators=list(generators) if generators is not None else [None] * b,
             any_top_k=any(0 < k for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
             all_greedy=all(greedy),
@@ -69,7 +63,7 @@ class DraftSamplingParams:
         """The first ``n`` rows: slices on the device, nothing copied."""
         greedy_rows = tuple(i for i in self.greedy_rows if i < n)
         return DraftSamplingParams(
-            self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy[:n], self.generators[:n],
+            self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy[:n],
             self.any_top_k, self.any_top_p, len(greedy_rows) == n, not greedy_rows, greedy_rows,
         )
 
@@ -103,30 +97,30 @@ def draft_distribution(logits: torch.Tensor, params: DraftSamplingParams) -> tor
 def sample_drafts(
     logits: torch.Tensor,
     params: DraftSamplingParams,
-    shared_generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one draft per row.
 
-    logits: [B, n] restricted to the intersection (``draft_ids`` order).
-    Returns (index [B] into the intersection, q [B, n] float32), where q is the
-    exact distribution each row's index was drawn from.
+    logits: [B, n] restricted to the intersection (``draft_ids`` order); uniforms: [B] in [0, 1), on
+    the logits' device, one per row (``seeding.DraftUniforms``; None when every row is greedy).
+    Returns (index [B] into the intersection, q [B, n] float32), where q is the exact distribution
+    each row's index was drawn from: the index is q's inverse CDF at the row's uniform, for every row
+    in one batched search (no generator, no per-row call).
     """
     if params.all_greedy:
         index = logits.argmax(dim=-1)
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         q.scatter_(-1, index.unsqueeze(-1), 1.0)
         return index, q
+    if uniforms is None:
+        raise ValueError("sample_drafts: sampled rows need uniforms")
     q = draft_distribution(logits, params)
-    index = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    cdf = q.cumsum(dim=-1)  # [B, n]
+    total = cdf[:, -1:]  # [B, 1]
+    # strictly below the total, so the search lands on a token q gives mass (never on a zero past it)
+    point = torch.minimum(uniforms.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, point, right=True).squeeze(-1)  # [B]: the first token whose cdf passes it
     greedy_rows = list(params.greedy_rows)
-    is_greedy = set(greedy_rows)
-    seeded = [i for i, g in enumerate(params.generators) if g is not None and i not in is_greedy]
-    shared = [i for i, g in enumerate(params.generators) if g is None and i not in is_greedy]
-    for i in seeded:
-        index[i] = torch.multinomial(q[i], 1, generator=params.generators[i])[0]
-    if shared:
-        rows = to_device(shared, torch.long, logits.device)
-        index[rows] = torch.multinomial(q[rows], 1, generator=shared_generator).squeeze(-1)
     if greedy_rows:
         g_rows = to_device(greedy_rows, torch.long, logits.device)
         g_index = logits[g_rows].argmax(dim=-1)

@@ -1,8 +1,8 @@
 """Drafting randomness as a pure function of what every tensor-parallel rank sees alike.
 
-A draft's random draw depends on (the request's key, the absolute position
-drafted, ``usd.seed``) and nothing else: no global RNG, no generator state
-carried between steps, no ``hash()`` (salted per process).
+A draft's random draw depends on (the request's key, the position its step
+starts drafting at, ``usd.seed``) and nothing else: no global RNG, no generator
+state carried between steps, no ``hash()`` (salted per process).
 """
 
 from __future__ import annotations
@@ -35,24 +35,30 @@ def text_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-def position_generators(
-    keys: list[int], positions: list[int], seeded: list[bool], salt: int, device: torch.device | str = "cpu",
-) -> tuple[list[torch.Generator | None], torch.Generator]:
-    """Generators for one draft position of a batch, from keys and positions only.
+class DraftUniforms:
+    """The uniforms a drafting step's sampled rows draw with, on the host, from one kept generator.
 
-    keys[b]: a stable key per row: from the request's own seed where seeded[b],
-    else from its request id. positions[b]: the absolute position being drafted.
-    A seeded row gets its own generator seeded by (key, position), so its drafts
-    do not depend on the rest of the batch. The other rows share one generator,
-    seeded by ``salt`` and every unseeded row's (key, position). Generators live on
-    ``device``, where the draws happen.
+    Row b's uniforms for its ``depth`` positions come from the generator seeded by (its key, the
+    first position it drafts) where ``seeded[b]``, so a seeded request's drafts do not depend on
+    the rest of the batch; the other rows' come from one seeding by ``salt`` and every unseeded
+    row's (key, position). A pure function of what every tensor-parallel rank sees alike, on any
+    device (the host draws, then one copy): every rank draws the same drafts.
     """
-    per_row: list[torch.Generator | None] = []
-    shared_parts = [salt]
-    for key, pos, own in zip(keys, positions, seeded):
-        if own:
-            per_row.append(torch.Generator(device=device).manual_seed(mix_seed(key, pos)))
-        else:
-            per_row.append(None)
-            shared_parts += (key, pos)
-    return per_row, torch.Generator(device=device).manual_seed(mix_seed(*shared_parts))
+
+    def __init__(self) -> None:
+        self._generator = torch.Generator()  # re-seeded per draw: no generator made per step or per row
+
+    def draw(self, keys: list[int], positions: list[int], seeded: list[bool], salt: int, depth: int) -> torch.Tensor:
+        """[B, depth] float32 uniforms in [0, 1), on the host."""
+        out = torch.empty(len(keys), depth)
+        g = self._generator
+        shared_parts, shared_rows = [salt], []
+        for b, (key, pos, own) in enumerate(zip(keys, positions, seeded)):
+            if own:
+                out[b] = torch.rand(depth, generator=g.manual_seed(mix_seed(key, pos)))
+            else:
+                shared_rows.append(b)
+                shared_parts += (key, pos)
+        if shared_rows:
+            out[shared_rows] = torch.rand(len(shared_rows), depth, generator=g.manual_seed(mix_seed(*shared_parts)))
+        return out

@@ -26,7 +26,8 @@ import torch
 
 from vllm_usd.core.mapping import VocabMapping
 from vllm_usd.core.sampling import DraftSamplingParams, sample_drafts
-from vllm_usd.core.seeding import position_generators
+from vllm_usd.core.device import to_device
+from vllm_usd.core.seeding import DraftUniforms
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafting.requests import DraftRows
 from vllm_usd.drafting.timing import PhaseTimer
@@ -65,6 +66,7 @@ class IntersectionDrafting:
         self._draft_ids = mapping.draft_ids.to(self.device)  # [n]
         self._draft_ids_host: list[int] = mapping.draft_ids.tolist()
         self._target_ids_host: list[int] = mapping.target_ids.tolist()
+        self._uniforms = DraftUniforms()
         if pruned_head:
             runtime.set_output_rows(mapping.draft_ids)
 
@@ -88,19 +90,16 @@ class IntersectionDrafting:
         context = [len(seq) for seq in rows.sequences]
         active, step_params = len(rows), params  # rows still drafting: the first ``active`` (longest first)
         cut = torch.full((len(rows),), depth, dtype=torch.long, device=self.device)  # [B] drafts kept per row
+        uniforms = None if params.all_greedy else to_device(  # [B, depth]: the step's draws, one copy
+            self._uniforms.draw(keys, rows.positions, seeded, salt, depth), torch.float32, self.device)
         with timer.phase("drafter_forward"):
             logits = self.runtime.catch_up(rows.req_ids, rows.sequences, rows.unchanged)
         for j in range(depth):
-            if len(step_params.generators) != active:  # rows at their length dropped out
+            if step_params.temperature.shape[0] != active:  # rows at their length dropped out
                 step_params = params.prefix(active)
             logits = self._intersection_logits(logits)
             with timer.phase("sample"):
-                shared = None
-                if not step_params.all_greedy:
-                    step_params.generators, shared = position_generators(
-                        keys[:active], [pos + j for pos in rows.positions[:active]], seeded[:active], salt,
-                        self.device)
-                idx, q = sample_drafts(logits, step_params, shared)
+                idx, q = sample_drafts(logits, step_params, None if uniforms is None else uniforms[:active, j])
             index[:active, j] = idx
             qs.append(q)
             if self.confidence_stop > 0 and j + 1 < depth and self._stop_unconfident(logits, idx, cut[:active], j):
