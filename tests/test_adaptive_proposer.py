@@ -142,8 +142,8 @@ def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch
     rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)))
     shared = {(1, 0): (1.0, 8, 0), (1, 1): (9.0, 8, 0), (1, 2): (9.0, 8, 0), (1, 3): (9.0, 8, 0)}
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: rank0.drafter)
-    monkeypatch.setattr(compat, "tp_broadcast_from_rank0",
-                        lambda obj: rank0.target if isinstance(obj, tuple) else shared)
+    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: rank0.target)
+    monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: (flag, None if payload is None else shared))
     p = _loaded()
     assert p.controller.timings == rank0
     steps = _serve(p, 32)
@@ -204,15 +204,48 @@ def test_the_confidence_stop_cuts_drafts_and_leaves_q_as_it_was():
     assert shortened > 0, "power: the stop cut some drafts at 0.5"
 
 
-def test_a_controller_failure_drops_the_step_and_the_share_still_happens():
+def _count_collectives(monkeypatch) -> list[str]:
+    """Every tensor-parallel collective the proposer calls from now on, by name (each does what it does
+    without tensor parallelism)."""
+    from vllm_usd.vllm_adapter import compat
+
+    calls: list[str] = []
+    for name in ("tp_vote", "tp_any", "tp_broadcast_from_rank0", "computed_on_tp_rank0"):
+        real = getattr(compat, name)
+        monkeypatch.setattr(compat, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    return calls
+
+
+def test_a_step_makes_one_collective_and_it_carries_rank_0s_costs_every_share_every_steps(monkeypatch):
+    """Issue 39, finding 9: under tensor parallelism a step made two collectives (the failure vote, and
+    every SHARE_EVERY steps the costs' broadcast). Now one: the vote, carrying the costs where due."""
+    from vllm_usd.drafting.controller import SHARE_EVERY
+    from vllm_usd.vllm_adapter import compat
+
+    p = _loaded()
+    runner = FakeRunner()
+    runner.add("a", _prompt(" the keeper"), sampling(0.0))
+    calls = _count_collectives(monkeypatch)
+    carried = []
+    vote = compat.tp_vote
+    monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: carried.append(payload is not None)
+                        or vote(flag, payload))
+    drafts = runner.step(p, {})
+    for step in range(1, 2 * SHARE_EVERY):
+        assert len(calls) == step, calls
+        drafts = runner.step(p, {"a": drafts["a"][:1] or [5]})
+    assert calls == ["tp_vote"] * 2 * SHARE_EVERY, "one collective a step"
+    assert carried == ([False] * (SHARE_EVERY - 1) + [True]) * 2, "rank 0's costs ride on every 8th"
+    assert p.controller.shared, "taken from the vote"
+
+
+def test_a_controller_failure_drops_the_step_and_the_vote_still_happens(monkeypatch):
     """Planted: the controller's bookkeeping raises. The step goes without drafts, the failure is counted,
-    and the share (a collective under tensor parallelism) is still called at every step."""
+    and the step's one collective is still called at every step (a rank that skipped it would hang the rest)."""
     p = _proposer()
     runner = FakeRunner()
     runner.add("a", _prompt(" the keeper"), sampling(0.0))
-    shares = []
-    real_share = p.controller.share
-    p.controller.share = lambda broadcast: shares.append(1) or real_share(broadcast)
+    calls = _count_collectives(monkeypatch)
 
     def broken(*args):
         raise RuntimeError("planted")
@@ -220,4 +253,4 @@ def test_a_controller_failure_drops_the_step_and_the_share_still_happens():
     p.controller.observe = broken
     for _ in range(3):
         assert runner.step(p, {}) == {"a": []}
-    assert len(shares) == 3 and p.stats()["failures"] == {"RuntimeError": 3}, p.stats()["failures"]
+    assert calls == ["tp_vote"] * 3 and p.stats()["failures"] == {"RuntimeError": 3}, (calls, p.stats()["failures"])

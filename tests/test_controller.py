@@ -16,6 +16,14 @@ from vllm_usd.drafting.controller import (ACCEPTANCE_MEMORY, EXPLORE_EVERY, SHAR
 TIMINGS = StartupTimings(target=((1, 0.100), (4, 0.100), (8, 0.200)), drafter=((1, 0.010), (2, 0.020)))
 
 
+
+def _share(controller, send=lambda local: local) -> None:
+    """What the proposer does once a step: send the controller's measured costs where due (``send``: the
+    step's collective, rank 0's table back), and take what comes back."""
+    local = controller.share_due()
+    if local is not None:
+        controller.take_shared(send(local))
+
 def _accepting(rounds: int, k: int = 3, timings: StartupTimings = TIMINGS) -> DraftLengthController:
     """A controller that saw ``rounds`` x 125 rows of 3 verified drafts, 1 in 5 rejected at each position:
     25 rejected at the first, 20 of the 100 left at the second, 16 of 80 at the third."""
@@ -77,14 +85,14 @@ def test_measured_cycles_correct_the_estimate_and_unmeasured_lengths_take_their_
     for _ in range(8):
         c.record_cycle(1, 3, 3 * TIMINGS.estimate(1, 3))  # drafting 3 measured 3x the estimate
     for _ in range(SHARE_EVERY):
-        c.share(lambda local: local)
+        _share(c)
     assert c.cost(1, 3) == pytest.approx(3 * TIMINGS.estimate(1, 3))
     assert c.cost(1, 0) == pytest.approx(3 * TIMINGS.estimate(1, 0)), "the bucket's scale, where not measured"
     assert c.length(1) == 3, "every length is 3x: the order is unchanged"
     for _ in range(8):
         c.record_cycle(1, 0, TIMINGS.estimate(1, 0))  # plain steps measured as estimated
     for _ in range(SHARE_EVERY):
-        c.share(lambda local: local)
+        _share(c)
     scale = {0: 1.0, 1: 2.0, 2: 2.0, 3: 3.0}  # lengths 1 and 2: the median of their bucket's (1 and 3)
     for n in range(4):
         assert c.cost(1, n) == pytest.approx(scale[n] * TIMINGS.estimate(1, n)), n
@@ -99,12 +107,12 @@ def test_exploring_takes_at_most_about_one_explore_every_of_the_time_least_recen
     for _ in range(8):
         c.record_cycle(1, 3, TIMINGS.estimate(1, 3))
     for _ in range(SHARE_EVERY):
-        c.share(lambda local: local)
+        _share(c)
     steps, chosen = 40 * EXPLORE_EVERY, []
     for _ in range(steps):  # as served: each step's cycle is measured, and shared every SHARE_EVERY
         chosen.append(c.length(1))
         c.record_cycle(1, chosen[-1], TIMINGS.estimate(1, chosen[-1]))
-        c.share(lambda local: local)
+        _share(c)
     others = [n for n in chosen if n != 3]
     assert others[:6] == [0, 1, 2, 0, 1, 2], "never-measured lengths first (the shorter first), then the stalest"
     # the lengths tried cost 0.77-0.92x the best's here: each is tried after EXPLORE_EVERY x that many steps
@@ -129,14 +137,14 @@ def test_every_rank_chooses_with_rank_0s_costs():
     for step in range(4 * SHARE_EVERY):
         rank0.record_cycle(1, 3, TIMINGS.estimate(1, 3))
         rank1.record_cycle(1, 3, 10 * TIMINGS.estimate(1, 3))
-        rank0.share(lambda local: sent.append(local) or local)
-        rank1.share(lambda local: sent[-1])
+        _share(rank0, lambda local: sent.append(local) or local)
+        _share(rank1, lambda local: sent[-1])
     assert len(sent) == 4
     assert _choose(rank0, 1, 40) == _choose(rank1, 1, 40)
     own = _accepting(4)
     for _ in range(SHARE_EVERY):
         own.record_cycle(1, 3, 10 * TIMINGS.estimate(1, 3))
-        own.share(lambda local: local)
+        _share(own)
     assert own.length(1) != rank1.length(1) or own.cost(1, 3) != rank1.cost(1, 3), \
         "power: rank 1's own table would have priced drafting differently"
 
@@ -148,7 +156,7 @@ def test_without_startup_timings_every_length_starts_at_one_cost_and_measurement
         for _ in range(4):
             c.record_cycle(1, n, seconds)
     for _ in range(SHARE_EVERY):
-        c.share(lambda local: local)
+        _share(c)
     assert c.length(1) == 0, "measured: 2.95 tokens in 0.5 s lose to 1 token in 0.1 s"
 
 

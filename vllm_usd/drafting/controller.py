@@ -30,8 +30,8 @@ costs at most its cost over the best's more than a best step, so exploring takes
 1/``EXPLORE_EVERY`` of a bucket's time (a length 4x dearer is tried once in 4 x 32 steps).
 
 Tensor parallelism: acceptance comes from the tokens every rank samples alike, and the step
-counts are alike; the cycle costs are rank 0's, broadcast every ``SHARE_EVERY`` steps (and the
-start-up timings once), so every rank chooses the same length.
+counts are alike; the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's
+one collective (and the start-up timings once), so every rank chooses the same length.
 """
 
 from __future__ import annotations
@@ -139,12 +139,17 @@ class DraftLengthController:
             self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
             self._measured_at[cell] = self._steps
 
-    def share(self, broadcast: Callable[[object], object]) -> None:
-        """Every ``SHARE_EVERY`` calls (one per step, on every rank): take rank 0's measured costs."""
+    def share_due(self) -> dict | None:
+        """Called once per step on every rank: this rank's measured costs every ``SHARE_EVERY`` calls (to
+        be sent, rank 0's taken by every rank through ``take_shared``), else None."""
         self._steps += 1
-        if self._steps % SHARE_EVERY == 0:
-            local = {cell: (statistics.median(r), len(r), self._measured_at[cell]) for cell, r in self._ratios.items()}
-            self.shared = broadcast(local)
+        if self._steps % SHARE_EVERY:
+            return None
+        return {cell: (statistics.median(r), len(r), self._measured_at[cell]) for cell, r in self._ratios.items()}
+
+    def take_shared(self, shared: dict) -> None:
+        """Rank 0's measured costs, as ``share_due`` gave them there."""
+        self.shared = shared
 
     # -- this step ---------------------------------------------------------------------------------
     def expected_tokens(self, length: int) -> float:
@@ -238,7 +243,10 @@ class FixedLength:
     def record_cycle(self, batch: int, length: int, seconds: float) -> None:
         pass
 
-    def share(self, broadcast: Callable[[object], object]) -> None:
+    def share_due(self) -> None:
+        return None
+
+    def take_shared(self, shared: dict) -> None:
         pass
 
     def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:

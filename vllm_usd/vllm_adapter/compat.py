@@ -236,6 +236,21 @@ def tp_any(flag: bool) -> bool:
     return bool(votes.item())
 
 
+def tp_vote(flag: bool, payload: Any = None) -> tuple[bool, Any]:
+    """A step's one collective: whether ``flag`` is true on any tensor-parallel rank, and rank 0's
+    ``payload`` where one is given (every rank calls it at the same step, every rank with a payload or
+    none); ``(flag, payload)``, with no collective, without tensor parallelism."""
+    group = _tp_group()
+    if group is None or group.world_size == 1:
+        return flag, payload
+    if payload is None:
+        return tp_any(flag), None
+    votes: list[Any] = [None] * group.world_size
+    torch.distributed.all_gather_object(votes, (flag, payload if group.rank_in_group == 0 else None),
+                                        group=group.cpu_group)
+    return any(vote[0] for vote in votes), votes[0][1]
+
+
 def computed_on_tp_rank0(compute: Callable[[], Any]) -> Any:
     """``compute()`` run on the tensor-parallel group's rank 0 only, its result taken by every rank
     (every rank must call this at the same point; ``compute`` must not raise, or the others wait)."""

@@ -260,7 +260,12 @@ class UniversalProposer:
                 qs = self._hand_over(parts, batch, drafts)
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             failure = exc
-        if compat.tp_any(failure is not None):  # every rank takes the same action: all drop the drafts, or none
+        # the step's one collective: every rank takes the same action (all drop the drafts, or none), and
+        # every SHARE_EVERY steps takes rank 0's measured costs for the next step's choice
+        failed, shared = compat.tp_vote(failure is not None, self.controller.share_due())
+        if shared is not None:
+            self.controller.take_shared(shared)
+        if failed:
             self._recover(failure, num_rows)
             drafts = [[] for _ in range(num_rows)]
         elif parts:
@@ -274,11 +279,10 @@ class UniversalProposer:
 
     def _choose_length(self, started: float, sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                        batch: int, fits: bool) -> tuple[int, Exception | None]:
-        """Tell the controller what the step that just ran did (the cycle it closed, its acceptance),
-        take rank 0's measured costs where due, and return this step's length (and what failed, if
-        anything: the step then drafts nothing, on every rank). Every rank shares at every step (a
-        collective), whatever failed before it, and chooses alike. A step whose rows do not ``fit`` the q
-        buffer (usd.drafter_max_num_seqs) drafts nothing."""
+        """Tell the controller what the step that just ran did (the cycle it closed, its acceptance), and
+        return this step's length (and what failed, if anything: the step then drafts nothing, on every
+        rank). Every rank chooses alike: from what every rank sees, and rank 0's costs as last shared. A
+        step whose rows do not ``fit`` the q buffer (usd.drafter_max_num_seqs) drafts nothing."""
         so, controller, failure = self._scheduler_output, self.controller, None
         try:
             if self._last_start is not None and compat.decode_step_tokens(so) is not None:
@@ -286,10 +290,9 @@ class UniversalProposer:
             if self._runner is not None:
                 controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)),
                                    sampled_token_ids)
-        except Exception as exc:  # noqa: BLE001 - counted as the step's failure; the share must still happen
+        except Exception as exc:  # noqa: BLE001 - counted as the step's failure; the vote must still happen
             failure = exc
         self._last_start = started
-        controller.share(compat.tp_broadcast_from_rank0)
         self._length = 0
         if failure is None and batch and fits:
             try:
