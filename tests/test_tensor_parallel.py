@@ -146,7 +146,9 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
     start-up, each rank times its own target and cycles, but every rank takes rank 0's figures (the
     timings differ between ranks), and so chooses the same lengths, drafts and q. The target looks 20 ms
     slower, at start-up and while serving (SlowTargetProposer), so that drafting pays and the ranks have
-    drafts to agree on."""
+    drafts to agree on. This engine drafts on the graph path (VLLM_USD_CPU_GRAPHS: the CPU stand-in for
+    CUDA graphs, so at most 16 rows): every drafter forward a graph holds is a replay on both ranks, and
+    the ranks' digests are equal there too."""
     from vllm import SamplingParams
 
     from vllm_usd.vllm_adapter.debug import draft_digests, proposer_stats
@@ -156,8 +158,9 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
 
     usd = {"debug_digests": True, "adaptive_length": True, "confidence_stop": 0.3}  # tests/engines pins it off
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, tensor_parallel_size=2,
-                distributed_executor_backend="mp", env=_bind_env(), usd=usd, proposer=SlowTargetProposer) as llm:
+    with engine(target, drafter=drafter, k=3, max_num_seqs=16, tensor_parallel_size=2,
+                distributed_executor_backend="mp", env={**_bind_env(), "VLLM_USD_CPU_GRAPHS": "1"}, usd=usd,
+                proposer=SlowTargetProposer) as llm:
         for prompt in LOWERCASE[:2]:
             llm.generate([prompt], greedy, use_tqdm=False)
         out = token_ids(llm.generate(LOWERCASE, greedy, use_tqdm=False))
@@ -175,6 +178,9 @@ def test_the_controllers_lengths_are_rank_0s_on_every_rank(pair, tp1_plain):
     lengths = [{key: n for key, n in s["counters"].items() if key.startswith("length_")} for s in stats]
     assert lengths[0] == lengths[1] and any(n for key, n in lengths[0].items() if key != "length_0"), lengths
     assert rank0 and rank0 == rank1
+    forwards = [s["drafter_forwards"] for s in stats]
+    assert all(s["decode_graphs"] > 0 for s in stats) and all(f["replayed"] > 0 and f["eager"] == 0
+                                                             for f in forwards), forwards
 
 
 def test_a_drafting_failure_on_one_rank_drops_the_step_on_every_rank(tp1_plain, tp2_usd):
