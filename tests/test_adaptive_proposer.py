@@ -143,7 +143,8 @@ def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch
     shared = {(1, 0): (1.0, 8, 0), (1, 1): (9.0, 8, 0), (1, 2): (9.0, 8, 0), (1, 3): (9.0, 8, 0)}
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: rank0.drafter)
     monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: rank0.target)
-    monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: (flag, None if payload is None else shared))
+    monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: (
+        flag, None if payload is None else {"cells": shared, "loss": {}}))
     p = _loaded()
     assert p.controller.timings == rank0
     steps = _serve(p, 32)

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from vllm_usd.drafting.controller import (ACCEPTANCE_MEMORY, EXPLORE_EVERY, SHARE_EVERY, DraftLengthController,
+from vllm_usd.drafting.controller import (ACCEPTANCE_MEMORY, EXPLORE_EVERY, LOSS_BUDGET, SHARE_EVERY,
+                                          DraftLengthController,
                                           StartupTimings, bucket)
 
 # target: 100 ms up to 4 tokens, 200 ms at 8 and more per token past it; drafter 10 ms at batch 1
@@ -124,7 +125,11 @@ def test_a_length_far_dearer_than_the_best_is_explored_that_much_more_rarely():
     """Batch 4 drafts nothing (test above): a draft costs 2-3x a plain step, so it is tried once in
     2-3 x EXPLORE_EVERY steps, not once in EXPLORE_EVERY."""
     c = _accepting(4)
-    chosen = [c.length(4) for _ in range(10 * EXPLORE_EVERY)]
+    chosen = []
+    for _ in range(10 * EXPLORE_EVERY):  # as served: measured cycles (the loss budget grows with them), shared
+        chosen.append(c.length(4))
+        c.record_cycle(4, chosen[-1], TIMINGS.estimate(4, chosen[-1]), c.expected_tokens(chosen[-1]))
+        _share(c)
     ratio = TIMINGS.estimate(4, 1) / TIMINGS.estimate(4, 0)
     assert ratio > 2 and 0 < sum(1 for n in chosen if n) <= 10 / ratio + 1, chosen
     assert _choose(c, 8, 1) == [0] and bucket(8) != bucket(4), "buckets count their own steps"
@@ -172,22 +177,77 @@ def test_the_outlook_and_summary_say_why_at_each_batch_size():
     assert all("start-up estimate" in line for line in lines)
 
 
-def test_a_bucket_that_drafts_nothing_prices_exploring_with_the_drafters_catch_up():
-    """Rows left at length 0 for a while: the first drafted step feeds the drafter all they missed. 480
-    tokens missed are priced as a one-token step of 480 rows (TIMINGS: 10 ms a row, 4.8 s), so at batch 4
-    (best 0, a plain cycle 0.1 s) length 1 (0.24 s) is tried after 32 x (0.24 + 4.8) / 0.1 steps, not 32 x 2.4."""
-    c, asked = _accepting(4), []
+# the simulated pair's start-up timings: the drafter's one-token step 10 ms at batch 1, 40 ms at 16
+SIM_TIMINGS = StartupTimings(target=TIMINGS.target, drafter=((1, 0.010), (16, 0.040)))
 
-    def missed() -> int:
-        asked.append(len(chosen) + 1)  # the step asking
-        return 480
 
-    chosen: list[int] = []
-    for _ in range(2000):
-        chosen.append(c.length(4, missed))
-    assert chosen.count(0) == len(chosen) - 1, "one step explored in 2000"
-    assert chosen.index(1) + 1 == math.ceil(EXPLORE_EVERY * (0.24 + 4.8) / 0.1), chosen.index(1)
-    plain_due = math.ceil(EXPLORE_EVERY * 0.24 / 0.1)
-    assert asked[0] == plain_due, "the rows are counted only once exploring is otherwise due"
-    fresh = _accepting(4)
-    assert [fresh.length(4) for _ in range(2000)].index(1) + 1 == plain_due
+def _serve_simulated(c: DraftLengthController, steps: int, acceptance, cycle_seconds, prompt: int = 100,
+                     request_tokens: int = 32, seed: int = 0) -> list[tuple[int, float, float]]:
+    """Serve ``steps`` steps of a simulated pair at batch 1: requests of a ``prompt``-token prompt and
+    ``request_tokens`` tokens out, one after another; each drafted position is accepted with probability
+    ``acceptance(step)`` (until the first rejection); a cycle at length L takes ``cycle_seconds(L, missed)``,
+    ``missed`` the tokens of the request's context its drafter lacks (its whole context until it first
+    drafts). Returns (length, seconds, tokens emitted) per step."""
+    rng = random.Random(seed)
+    out, context, known = [], prompt, 0  # the request's tokens so far; those its drafter has
+    length = c.length(1, lambda: context - known)
+    for step in range(steps):
+        accepted = 0
+        while accepted < length and rng.random() < acceptance(step):
+            accepted += 1
+        seconds = cycle_seconds(length, context - known)
+        out.append((length, seconds, accepted + 1))
+        if length:
+            known = context + accepted
+        context += accepted + 1
+        if context - prompt >= request_tokens:  # the next request
+            context, known = prompt, 0
+        c.record_cycle(1, length, seconds, accepted + 1)
+        c.observe([length], [[0] * (accepted + 1)])
+        _share(c)
+        length = c.length(1, lambda: context - known)
+    return out
+
+
+def _speed(served: list[tuple[int, float, float]]) -> float:
+    """Tokens per second per row."""
+    return sum(t for _, _, t in served) / sum(s for _, s, _ in served)
+
+
+def _never_pays(length: int, missed: int) -> float:
+    """A drafter 3x slower than its start-up timing, whose drafts are never accepted, and whose catch-up
+    costs 4 ms a token."""
+    return 0.100 + 0.030 * length + (0.004 * missed if length else 0.0)
+
+
+def test_where_drafting_never_pays_learning_costs_at_most_the_loss_budget():
+    """Issue 40: the worst case. The prior (half the drafts accepted) and the start-up timing both say that
+    3 drafts pay 1.4x; in truth no draft is ever accepted, and every exploring step pays the drafter's
+    catch-up on what it missed. Over 3,000 steps the controller must lose at most LOSS_BUDGET of the
+    target alone's speed, plus what a share period's cycles can lose (under 0.2% of the run's 300 s).
+    Without the budget (planted: never spent), the same controller loses over 3% here."""
+    plain = 1 / _never_pays(0, 0)
+    served = _serve_simulated(DraftLengthController(3, SIM_TIMINGS), 3000, lambda step: 0.0, _never_pays)
+    drafted = sum(1 for n, _, _ in served if n)
+    assert drafted >= 10, "it learned: it drafted, then explored"
+    assert _speed(served) / plain >= 1 - LOSS_BUDGET - 0.002, (_speed(served) / plain, drafted)
+    unbounded = DraftLengthController(3, SIM_TIMINGS)
+    unbounded._spent = lambda b: -math.inf
+    assert _speed(_serve_simulated(unbounded, 3000, lambda step: 0.0, _never_pays)) / plain < 0.97
+
+
+def test_acceptance_that_starts_low_and_rises_is_learned_within_a_few_hundred_steps():
+    """Issue 40: 1 draft in 20 accepted for the first 1,500 steps, then 9 in 10 (the prompts changed).
+    While low, the loss stays within the budget; once high, drafting resumes and pays: over steps
+    2,000-3,000, at least 2x the target alone's speed (3 drafts at 0.9: 3.4 tokens in 0.13 s, 2.6x)."""
+    def cycle(length: int, missed: int) -> float:
+        return 0.100 + 0.010 * length + (0.002 * missed if length else 0.0)  # catch-up: 2 ms a token
+
+    plain = 1 / cycle(0, 0)
+    served = _serve_simulated(DraftLengthController(3, SIM_TIMINGS), 3000, lambda step: 0.05 if step < 1500 else 0.9,
+                              cycle)
+    assert _speed(served[:1500]) / plain >= 1 - LOSS_BUDGET - 0.002, _speed(served[:1500]) / plain
+    assert _speed(served[2000:]) / plain >= 2.0, _speed(served[2000:]) / plain
+    resumed = next(i for i in range(1500, 2900) if sum(n == 3 for n, _, _ in served[i:i + 100]) >= 90)
+    print(f"3 drafts in 9 steps of 10 (exploring aside) from step {resumed}")
+    assert resumed < 1800, resumed

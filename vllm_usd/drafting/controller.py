@@ -15,19 +15,29 @@ Two things are kept, both from what the engine did:
   such estimates were off, measured: the median of measured/estimated over the cell's last
   ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over every
   bucket's. Only cycles in which every request decoded are measured: a prefill costs by its
-  prompt.
+  prompt. A drafted cycle right after a plain one is not: its drafter catches up on what its rows
+  missed, once (the loss budget below counts it).
 
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
 the plain step's cost). Ties go to the shorter length. Now and then a step takes another
 length instead, the one measured least recently (never measured first, the shorter on a tie),
 so that a length that looked worse is measured again: in each bucket, once the steps since its last such
-step number ``EXPLORE_EVERY`` times that length's cost over the best's. That cost includes the
-drafter catching up on the tokens its rows missed while they drafted nothing (priced as one-token
-forwards of that many rows, which overstates a prefill): in a bucket left at length 0, the first
-drafted step feeds the drafter every row's context since it last drafted. A step at another length
-costs at most its cost over the best's more than a best step, so exploring takes at most about
-1/``EXPLORE_EVERY`` of a bucket's time (a length 4x dearer is tried once in 4 x 32 steps).
+step number ``EXPLORE_EVERY`` times that length's cost over the best's.
+
+**What learning may cost is bounded** (the loss budget). Every measured drafted cycle is
+compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
+which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a
+gain when negative) adds to its bucket's loss. While a bucket's loss exceeds ``LOSS_BUDGET``
+of the time its cycles took, it drafts nothing; it explores only where the budget left covers
+what the step is expected to lose, the drafter's catch-up on what its rows missed included
+(priced as one-token forwards of that many rows, which overstates a prefill). So
+whatever the pair, the prompts or the host, drafting costs a bucket at most ``LOSS_BUDGET`` of
+its served time over what the target alone would have taken, plus what the cycles until the
+next share lose (the loss is rank 0's, shared every ``SHARE_EVERY`` steps): a wrong prior, a
+drafter catching up on a prompt when it explores, a slow host. Where drafting pays, the loss is
+a growing gain and the budget never binds; where it stops paying, the gain made earlier is
+spent before drafting stops (so that a run's net result stays above 1 - ``LOSS_BUDGET``).
 
 Tensor parallelism: acceptance comes from the tokens every rank samples alike, and the step
 counts are alike; the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's
@@ -46,6 +56,7 @@ ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any
 CYCLES_KEPT = 16  # the latest measured cycles per (bucket, length)
 EXPLORE_EVERY = 32  # exploring takes at most about 1/EXPLORE_EVERY of each bucket's time
 SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
+LOSS_BUDGET = 0.02  # drafting may cost a bucket this share of its served time over the target alone
 
 
 def bucket(batch: int) -> int:
@@ -124,6 +135,10 @@ class DraftLengthController:
         self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
         self._steps = 0
+        # bucket -> [seconds drafted cycles took beyond the target alone (negative: gained), seconds served]
+        self._loss: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.shared_loss: dict[int, tuple[float, float]] = {}  # rank 0's, as last shared
+        self._previous_length: int | None = None  # the last measured cycle's
 
     # -- what the engine did ---------------------------------------------------------------------
     def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]]) -> None:
@@ -132,24 +147,33 @@ class DraftLengthController:
             if n and tokens:
                 self.acceptance.add(n, min(len(tokens) - 1, n))
 
-    def record_cycle(self, batch: int, length: int, seconds: float) -> None:
-        """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock)."""
+    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
+        """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock), whose rows
+        emitted ``tokens_per_row`` tokens on average (a drafted cycle without it is not held to the budget)."""
+        previous, self._previous_length = self._previous_length, length
         if batch > 0 and seconds > 0:
             cell = (bucket(batch), length)
-            self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
-            self._measured_at[cell] = self._steps
+            if not (length and previous == 0):  # a first drafted cycle pays a one-off catch-up: the budget's
+                self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
+                self._measured_at[cell] = self._steps
+            loss = self._loss[cell[0]]
+            loss[1] += seconds
+            if length and tokens_per_row:
+                loss[0] += seconds - tokens_per_row * self.cost(batch, 0)
 
     def share_due(self) -> dict | None:
-        """Called once per step on every rank: this rank's measured costs every ``SHARE_EVERY`` calls (to
-        be sent, rank 0's taken by every rank through ``take_shared``), else None."""
+        """Called once per step on every rank: this rank's measured costs and losses every ``SHARE_EVERY``
+        calls (to be sent, rank 0's taken by every rank through ``take_shared``), else None."""
         self._steps += 1
         if self._steps % SHARE_EVERY:
             return None
-        return {cell: (statistics.median(r), len(r), self._measured_at[cell]) for cell, r in self._ratios.items()}
+        return {"cells": {cell: (statistics.median(r), len(r), self._measured_at[cell])
+                          for cell, r in self._ratios.items()},
+                "loss": {b: (loss, served) for b, (loss, served) in self._loss.items()}}
 
     def take_shared(self, shared: dict) -> None:
-        """Rank 0's measured costs, as ``share_due`` gave them there."""
-        self.shared = shared
+        """Rank 0's measured costs and losses, as ``share_due`` gave them there."""
+        self.shared, self.shared_loss = shared["cells"], shared["loss"]
 
     # -- this step ---------------------------------------------------------------------------------
     def expected_tokens(self, length: int) -> float:
@@ -173,23 +197,33 @@ class DraftLengthController:
         return [self.expected_tokens(n) / self.cost(batch, n) for n in range(self.k + 1)]
 
     def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:
-        """This step's length for every row of a ``batch``-row step. ``missed()``: the tokens its rows'
-        drafter contexts lack beyond what a drafted step feeds anyway (called only once exploring is
-        otherwise due: it can only delay it)."""
+        """This step's length for every row of a ``batch``-row step: its best, or now and then the length
+        measured least recently, within the bucket's loss budget. ``missed()``: the tokens its rows' drafter
+        contexts lack beyond what a drafted step feeds anyway (asked only when exploring is due)."""
         b = bucket(batch)
         rates = self.rates(batch)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         other = min((n for n in range(self.k + 1) if n != best),
                     key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
         self._since_explore[b] += 1
-        chosen = best
-        due = EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
-        if self._since_explore[b] >= due and other:
-            due += EXPLORE_EVERY * self.timings.catch_up(missed()) / self.cost(batch, best)
-        if self._since_explore[b] >= due:
-            self._since_explore[b], chosen = 0, other
+        chosen = 0 if best and self._spent(b) > 0 else best
+        if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
+            if not other or self._spent(b) + self._exploring_loss(batch, other, missed()) <= 0:
+                self._since_explore[b], chosen = 0, other
         self.current[b] = chosen
         return chosen
+
+    def _spent(self, b: int) -> float:
+        """Seconds bucket ``b``'s drafting lost beyond its budget (rank 0's, as last shared; <= 0 within it)."""
+        loss, served = self.shared_loss.get(b, (0.0, 0.0))
+        return loss - LOSS_BUDGET * served
+
+    def _exploring_loss(self, batch: int, length: int, missed: int) -> float:
+        """What one step at ``length`` is expected to lose against the target alone (0 if it gains), the
+        drafter's catch-up on ``missed`` tokens included (priced as a one-token step of that many rows,
+        which overstates a prefill)."""
+        cost = self.cost(batch, length) + self.timings.catch_up(missed)
+        return max(cost - self.expected_tokens(length) * self.cost(batch, 0), 0.0)
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
     def _best(self, batch: int) -> tuple[int, float]:
@@ -228,6 +262,9 @@ class DraftLengthController:
         return {"lengths": self.lengths(),
                 "acceptance": [round(a, 4) for a in self.acceptance.rates()],
                 "cost_scale": {f"{bucket_label(b)}/{n}": round(cell[0], 4) for (b, n), cell in sorted(self.shared.items())},
+                # per bucket: drafted cycles' seconds beyond the target alone (negative: gained), over served
+                "loss_share": {bucket_label(b): round(loss / served, 4) for b, (loss, served)
+                               in sorted(self.shared_loss.items()) if served > 0},
                 "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter)}}
 
 
@@ -240,7 +277,7 @@ class FixedLength:
     def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]]) -> None:
         pass
 
-    def record_cycle(self, batch: int, length: int, seconds: float) -> None:
+    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
         pass
 
     def share_due(self) -> None:

@@ -286,7 +286,9 @@ class UniversalProposer:
         so, controller, failure = self._scheduler_output, self.controller, None
         try:
             if self._last_start is not None and compat.decode_step_tokens(so) is not None:
-                controller.record_cycle(batch, self._length, started - self._last_start)
+                emitted = [len(s) for s in sampled_token_ids if s]
+                controller.record_cycle(batch, self._length, started - self._last_start,
+                                        sum(emitted) / len(emitted) if emitted else None)
             if self._runner is not None:
                 controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)),
                                    sampled_token_ids)
