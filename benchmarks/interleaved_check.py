@@ -12,8 +12,12 @@ band of every other ratio in the run (an A/A test).
         --out benchmarks/results/<date>-vm-interleaved.json
 
 Each run: ``--groups`` batches of ``batch`` prompts at once (batch 1: four prompts one after
-another), ``--max-tokens``
-tokens each with EOS masked; engines in-process as ``benchmarks/run.py`` runs them.
+another), ``--max-tokens`` tokens each with EOS masked (one run per length given); engines
+in-process as ``benchmarks/run.py`` runs them. The prompts are per kind (``--workloads``): code
+and prose nobody here wrote (the standard library's functions cut before the body, paragraphs of
+``pydoc_data``; ``vllm_usd/bench/public_prompts.py``) and our own chat prompts; the result names
+each prompt's file and offset, and the host's CPU model and flags. The table has a row per kind,
+length, temperature and batch size (SpecBench-style categories).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def _timed(llm, prompts: list[str], batch: int, temperature: float, max_tokens: 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.run import pair_specs
-    from vllm_usd.bench import load_prompts
+    from vllm_usd.bench.machine import cpu_flags, cpu_model
+    from vllm_usd.bench.public_prompts import load_workloads, sources
     from vllm_usd.bench.vllm_systems import engine
     from vllm_usd.vllm_adapter.debug import proposer_stats
     from vllm_usd.config import speculative_args
@@ -55,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--groups", type=int, default=2, help="batches of prompts per timed run (batch > 1)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--workloads", nargs="+", default=["code", "prose", "chat"],
+                        help="kinds of prompt: code, prose (public, shipped with Python), chat (ours)")
     parser.add_argument("--usd", default="{}", help="extra usd settings, JSON (default: vllm-usd's defaults)")
     parser.add_argument("--with-fixed", action="store_true",
                         help="a third engine: the same settings with adaptive_length false (always k drafts)")
@@ -71,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
-    prompts = [p["text"] for p in load_prompts()[0]]
-    settings = [(t, b) for t in args.temperatures for b in args.batch_sizes]
+    workloads = load_workloads(args.workloads, n=max(4, max(args.batch_sizes) * args.groups))
+    prompts = {kind: [p["text"] for p in items] for kind, items in workloads.items()}
+    settings = [(w, n, t, b) for w in args.workloads for n in args.max_tokens for t in args.temperatures
+                for b in args.batch_sizes]
     usd = json.loads(args.usd)
     drafter = usd.pop("drafter", spec.drafter)  # --usd may name another drafter than the pair's
     systems = {"plain": {}, "usd": speculative_args(drafter=drafter, k=args.k, profile=True, **usd)}
@@ -91,30 +100,34 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(engine(spec.target, max_batch, extra))
                    for name, extra in systems.items()}
+        def group(kind: str, batch: int) -> list[str]:
+            return prompts[kind][:4] if batch == 1 else prompts[kind][:batch * args.groups]
+
         for name, llm in engines.items():  # warm-up
-            _timed(llm, prompts[:2], 2, 0.0, 8)
+            _timed(llm, prompts[args.workloads[0]][:2], 2, 0.0, 8)
             for _ in range(args.warmup_rounds):
-                for temperature, batch in settings:
-                    _timed(llm, prompts[:4] if batch == 1 else prompts[:batch * args.groups], batch, temperature,
-                           args.max_tokens)
+                for kind, max_tokens, temperature, batch in settings:
+                    _timed(llm, group(kind, batch), batch, temperature, max_tokens)
         for r in range(args.rounds):
-            for temperature, batch in settings:
-                group = prompts[:4] if batch == 1 else prompts[:batch * args.groups]
+            for kind, max_tokens, temperature, batch in settings:
                 names = list(systems)  # the order rotates by round (with two engines: alternates)
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
-                    tok_s = _timed(engines[name], group, batch, temperature, args.max_tokens)
-                    runs[name].append({"round": r, "temperature": temperature, "batch": batch, "tok_s": tok_s})
+                    tok_s = _timed(engines[name], group(kind, batch), batch, temperature, max_tokens)
+                    runs[name].append({"round": r, "workload": kind, "max_tokens": max_tokens,
+                                       "temperature": temperature, "batch": batch, "tok_s": tok_s})
                     print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
         proposers = {name: {key: (engines[name].collective_rpc(proposer_stats)[0] or {}).get(key)
                             for key in ("counters", "timings", "controller", "controller_summary")}
                      for name in systems if name not in ("plain", "control")}
     rows = []
-    for temperature, batch in settings:
+    for kind, max_tokens, temperature, batch in settings:
         def of(name):
-            return [x["tok_s"] for x in runs[name] if x["temperature"] == temperature and x["batch"] == batch]
+            return [x["tok_s"] for x in runs[name] if (x["workload"], x["max_tokens"], x["temperature"], x["batch"])
+                    == (kind, max_tokens, temperature, batch)]
 
-        row = {"temperature": temperature, "batch": batch, "plain_tok_s": of("plain")}
+        row = {"workload": kind, "max_tokens": max_tokens, "temperature": temperature, "batch": batch,
+               "plain_tok_s": of("plain")}
         for name in systems:
             if name != "plain":
                 ratios = [u / p for u, p in zip(of(name), of("plain"))]
@@ -126,18 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python benchmarks/interleaved_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "usd": json.loads(args.usd), "rounds": args.rounds,
               "max_tokens": args.max_tokens, "rows": rows, "proposers": proposers, "warmup_rounds": args.warmup_rounds,
+              "host": {"cpu": cpu_model(), "flags": cpu_flags(), "cpus": len(os.sched_getaffinity(0))},
+              "workloads": sources(workloads),
               # what the command line does not show but changes every engine's speed
               "environment": {k: v for k, v in sorted(os.environ.items())
                               if k.startswith(("VLLM_CPU_", "OMP_")) or k == "LD_PRELOAD"}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     others = [name for name in systems if name != "plain"]
-    print("| T | batch | target alone tok/s | " + " | ".join(f"{n} tok/s | {n} paired ratios | {n} median"
-                                                         for n in others)
+    print("| prompts | tokens | T | batch | target alone tok/s | "
+          + " | ".join(f"{n} tok/s | {n} paired ratios | {n} median" for n in others)
           + (" | adaptive / fixed |" if "fixed" in systems else " |"))
-    print("|---" * (3 + 3 * len(others) + ("fixed" in systems)) + "|")
+    print("|---" * (5 + 3 * len(others) + ("fixed" in systems)) + "|")
     for row in rows:
-        cells = [str(row["temperature"]), str(row["batch"]), f"{statistics.median(row['plain_tok_s']):.1f}"]
+        cells = [row["workload"], str(row["max_tokens"]), str(row["temperature"]), str(row["batch"]),
+                 f"{statistics.median(row['plain_tok_s']):.1f}"]
         for n in others:
             cells += [f"{statistics.median(row[f'{n}_tok_s']):.1f}",
                       " ".join(f"{x:.2f}" for x in row[f"{n}_paired_ratios"]), f"**{row[f'{n}_ratio']:.2f}x**"]

@@ -7,6 +7,10 @@ model runner's methods are wrapped with timers (``execute_model``: the target's 
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/step_profile.py --drafter /path/to/hf-folder \\
         --out /tmp/step-profile.json
+    .venv/bin/python benchmarks/step_profile.py --never-draft --out /tmp/no-draft.json   # steps that draft nothing
+
+``--never-draft``: vllm-usd's engine runs the proposer whose controller chooses length 0 every step
+(``NeverDrafts``): what a step that drafts nothing costs against the target alone, per method.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RUNNER_METHODS = ("execute_model", "sample_tokens", "_update_states", "_prepare_inputs", "_model_forward", "_sample",
                   "_bookkeeping_sync", "propose_draft_token_ids", "_calc_spec_decode_metadata")
+
+
+from vllm_usd import UniversalProposer  # noqa: E402
+
+
+class NeverDrafts(UniversalProposer):
+    """vllm-usd's proposer whose controller chooses length 0 at every step (its own work per step stays)."""
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        self.controller.length = lambda batch, missed=None: 0
 
 
 def install_timers(worker) -> bool:
@@ -67,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.run import pair_specs
     from vllm_usd.bench import load_prompts
+    from vllm_usd.bench.machine import cpu_flags, cpu_model
     from vllm_usd.bench.vllm_systems import engine
     from vllm_usd.config import speculative_args
 
@@ -78,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--never-draft", action="store_true", help="vllm-usd's engine drafts nothing (NeverDrafts)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
@@ -85,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = {"plain": {}, f"usd_k{args.k}": speculative_args(drafter=args.drafter or spec.drafter, k=args.k,
                                                                **{"adaptive_length": False, "profile": True,
                                                                   **json.loads(args.usd)})}
+    if args.never_draft:
+        systems[f"usd_k{args.k}"]["speculative_config"]["model"] = "benchmarks.step_profile.NeverDrafts"
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(engine(spec.target, 1, extra)) for name, extra in systems.items()}
@@ -109,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} round {r}: {tokens / wall:.2f} tok/s, {steps} steps, {wall / steps * 1e3:.1f} ms a step;",
                       ", ".join(f"{key} {ms} ms" for key, ms in per_step_ms.items()), flush=True)
     result = {"command": "python benchmarks/step_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "pair": args.pair, "k": args.k, "temperature": args.temperature, "runs": runs,
+              "pair": args.pair, "k": args.k, "temperature": args.temperature, "never_draft": args.never_draft,
+              "host": {"cpu": cpu_model(), "flags": cpu_flags()}, "runs": runs,
               "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_CPU_", "OMP_"))}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -4,11 +4,14 @@ Default pair: Gemma-3-270m (target, SentencePiece, 262k vocab) drafted by
 SmolLM2-135M-Instruct (byte-level BPE, 49k vocab), both converted from GGUF
 files shipped on PyPI (see vllm_usd/demo_pair.py).
 
-The same prompts run in two scenarios, each with and without vllm-usd, both
-engines up at once and timed in alternation: one request at a time
-(latency, batch 1) and all of them at once (throughput, batch 8). A table per scenario gives tokens/s, the ratio to the
-target alone, the acceptance length, the drafts and greedy equality; then
-the draft-length controller says, per batch size, why it drafted or not.
+Three kinds of prompt, two of them text nobody here wrote (shipped with Python, so offline):
+code (standard-library functions cut before their body), prose (paragraphs of Python's own
+``pydoc_data`` help text, cut in half) and chat (our own prompts); see
+``vllm_usd/bench/public_prompts.py``. Each kind runs in two scenarios, with and without
+vllm-usd, both engines up at once and timed in alternation: one request at a time (latency,
+batch 1, the first 4 prompts) and 8 at once (throughput, batch 8). One table per kind and
+scenario: tokens/s, the ratio to the target alone, the acceptance length, the drafts and greedy
+equality; then the draft-length controller says, per batch size, why it drafted or not.
 
     bash scripts/demo.sh                 # the README's main command
     bash scripts/demo.sh -k 4 --temperature 0.8
@@ -23,18 +26,8 @@ import os
 import statistics
 import time
 
-PROMPTS = [
-    "The capital of France is",
-    "Here is a short story about a lighthouse keeper:",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-    "Photosynthesis is the process by which",
-    "Translate to French: Good morning, how are you?\nFrench:",
-    "The main differences between Python lists and tuples are",
-]
-SCENARIOS = (("one request at a time (latency, batch 1)", 1),
-             (f"{len(PROMPTS)} requests at once (throughput, batch {len(PROMPTS)})", len(PROMPTS)))
+PROMPTS_PER_KIND = 8
+SCENARIOS = (("one request at a time (latency, batch 1)", 1, 4), ("8 requests at once (throughput, batch 8)", 8, 8))
 # vllm-usd's stats() read by name through this worker extension (no pickled functions needed)
 STATS_EXTENSION = "vllm_usd.vllm_adapter.debug.ProposerStatsExtension"
 
@@ -49,13 +42,13 @@ def _counters(llm) -> tuple[float, float]:
             metrics.get("vllm:spec_decode_num_accepted_tokens") or 0.0)
 
 
-def _scenario(llm, params, batch: int) -> dict:
+def _scenario(llm, params, prompts: list[str], batch: int) -> dict:
     """Generate every prompt, ``batch`` at a time; tokens/s and vLLM's draft counters over the run."""
     drafts0, accepted0 = _counters(llm)
     outputs = []
     start = time.perf_counter()
-    for i in range(0, len(PROMPTS), batch):
-        outputs += llm.generate(PROMPTS[i:i + batch], params, use_tqdm=False)
+    for i in range(0, len(prompts), batch):
+        outputs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     drafts1, accepted1 = _counters(llm)
     drafts, accepted = drafts1 - drafts0, accepted1 - accepted0
@@ -69,46 +62,50 @@ def _engine(model: str, spec: dict | None, verbose: bool):
     from vllm import LLM
 
     extra = {"worker_extension_cls": STATS_EXTENSION, **spec} if spec else {}
-    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=len(PROMPTS),
+    return LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=SCENARIOS[-1][1],
                disable_log_stats=False, seed=0, use_tqdm_on_load=verbose, **extra)
 
 
-def _side_by_side(engines: dict, params, rounds: int) -> dict[str, list[dict]]:
-    """Both engines up at once; each scenario timed ``rounds`` times on each, alternating, so that the
-    machine's drift hits both alike (after an untimed warm-up: first-step costs, and the controller's
-    first measurements). Per engine and scenario: the last round's outputs, the median tokens/s."""
+def _side_by_side(engines: dict, params, prompts: dict[str, list[str]], rounds: int) -> dict[tuple[str, str], dict]:
+    """Both engines up at once; each (kind, scenario) timed ``rounds`` times on each, alternating, so that
+    the machine's drift hits both alike (after an untimed warm-up: first-step costs, and the controller's
+    first measurements). Per (kind, scenario) and engine: the last round's outputs, the median tokens/s."""
     from vllm import SamplingParams
 
     warm = SamplingParams(temperature=params.temperature, max_tokens=min(params.max_tokens, 32), seed=params.seed)
     for llm in engines.values():
-        for _, batch in SCENARIOS:
-            for i in range(0, min(len(PROMPTS), 2 * batch), batch):
-                llm.generate(PROMPTS[i:i + batch], warm, use_tqdm=False)
-    runs: dict[str, list[dict]] = {name: [] for name in engines}
-    for title, batch in SCENARIOS:
-        _progress(f"timing {title}, {rounds} rounds each way ...")
-        timed: dict[str, list[dict]] = {name: [] for name in engines}
-        for _ in range(rounds):
-            for name, llm in engines.items():
-                timed[name].append(_scenario(llm, params, batch))
-        for name, results in timed.items():
-            last = dict(results[-1])
-            last["tok_s"] = statistics.median(r["tok_s"] for r in results)
-            last["drafts"] = sum(r["drafts"] for r in results)
-            accepted = sum((r["acceptance_length"] - 1) * r["drafts"] for r in results if r["drafts"])
-            last["acceptance_length"] = 1 + accepted / last["drafts"] if last["drafts"] else None
-            runs[name].append(last)
+        for _, batch, count in SCENARIOS:
+            llm.generate(prompts["chat"][:batch], warm, use_tqdm=False)
+    runs: dict[tuple[str, str], dict] = {}
+    for kind, texts in prompts.items():
+        for title, batch, count in SCENARIOS:
+            _progress(f"timing {kind}, {title}, {rounds} rounds each way ...")
+            timed: dict[str, list[dict]] = {name: [] for name in engines}
+            for _ in range(rounds):
+                for name, llm in engines.items():
+                    timed[name].append(_scenario(llm, params, texts[:count], batch))
+            for name, results in timed.items():
+                last = dict(results[-1])
+                last["tok_s"] = statistics.median(r["tok_s"] for r in results)
+                last["drafts"] = sum(r["drafts"] for r in results)
+                accepted = sum((r["acceptance_length"] - 1) * r["drafts"] for r in results if r["drafts"])
+                last["acceptance_length"] = 1 + accepted / last["drafts"] if last["drafts"] else None
+                runs.setdefault((kind, title), {})[name] = last
     return runs
 
 
-def _table(base: dict, usd: dict, k: int, greedy: bool) -> list[str]:
-    same = sum(a == b for a, b in zip(base["ids"], usd["ids"]))
-    acceptance = f"{usd['acceptance_length']:.2f}" if usd["acceptance_length"] else "no drafts"
-    return ["| | tokens/s | vs target alone | acceptance length | drafts | greedy = target alone |",
-            "|---|---|---|---|---|---|",
-            f"| target alone | {base['tok_s']:.1f} | 1.00x | | | |",
-            f"| with vllm-usd (k={k}) | {usd['tok_s']:.1f} | {usd['tok_s'] / base['tok_s']:.2f}x | {acceptance} "
-            f"| {usd['drafts']} | {f'{same}/{len(PROMPTS)}' if greedy else 'sampled'} |"]
+def _table(runs: dict[tuple[str, str], dict], k: int, greedy: bool) -> list[str]:
+    """One row per (kind of prompt, scenario): the target alone and vllm-usd side by side."""
+    lines = [f"| prompts | scenario | target alone tok/s | vllm-usd (k={k}) tok/s | vs target alone "
+             "| acceptance length | drafts | greedy = target alone |", "|---" * 8 + "|"]
+    for (kind, title), engines in runs.items():
+        base, usd = engines["base"], engines["usd"]
+        same = sum(a == b for a, b in zip(base["ids"], usd["ids"]))
+        acceptance = f"{usd['acceptance_length']:.2f}" if usd["acceptance_length"] else "no drafts"
+        equal = f"{same}/{len(base['ids'])}" if greedy else "sampled"
+        lines.append(f"| {kind} | {title.split(' (')[0]} | {base['tok_s']:.1f} | {usd['tok_s']:.1f} | "
+                     f"**{usd['tok_s'] / base['tok_s']:.2f}x** | {acceptance} | {usd['drafts']} | {equal} |")
+    return lines
 
 
 def main() -> None:
@@ -143,8 +140,13 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0 if args.temperature else None)
     greedy = args.temperature == 0
+    from vllm_usd.bench.public_prompts import load_workloads, sources
+
+    workloads = load_workloads(n=PROMPTS_PER_KIND)
+    prompts = {kind: [p["text"] for p in items] for kind, items in workloads.items()}
     _progress(f"target  {args.target}\n[demo] drafter {args.drafter}\n[demo] k={args.k}, "
-              f"temperature={args.temperature}, {len(PROMPTS)} prompts x {args.max_tokens} tokens")
+              f"temperature={args.temperature}, {args.max_tokens} tokens a request; prompts: "
+              + "; ".join(f"{kind} from {', '.join(src[:3])}, ..." for kind, src in sources(workloads)["prompts"].items()))
     from vllm_usd.vllm_adapter.compat import shutdown_engine
 
     spec = vllm_usd.speculative_args(drafter=args.drafter, k=args.k,
@@ -156,22 +158,18 @@ def main() -> None:
         _progress("starting the target with vllm-usd (the first start also checks and times the drafter's "
                   "GGUF; cached after) ...")
         engines["usd"] = _engine(args.target, spec, args.verbose)
-        runs = _side_by_side(engines, params, args.rounds)
+        runs = _side_by_side(engines, params, prompts, args.rounds)
         summary = [] if args.fixed_length else list(
             (engines["usd"].collective_rpc("usd_proposer_stats")[0] or {}).get("controller_summary") or [])
     finally:
         for llm in engines.values():
             shutdown_engine(llm)
-    base, usd = runs["base"], runs["usd"]
-
-    for prompt, text in zip(PROMPTS, usd[0]["texts"]):
+    for kind, texts in prompts.items():  # one example of each kind
         print("-" * 72)
-        print(repr(prompt))
-        print("  ->", repr(text))
-    for (title, _), b, u in zip(SCENARIOS, base, usd):
-        print("=" * 72)
-        print(f"{title}:")
-        print("\n".join(_table(b, u, args.k, greedy)))
+        print(f"{kind}: {texts[0]!r}")
+        print("  ->", repr(runs[(kind, SCENARIOS[0][0])]["usd"]["texts"][0]))
+    print("=" * 72)
+    print("\n".join(_table(runs, args.k, greedy)))
     print("=" * 72)
     print("why it drafted or not, by batch size (the draft-length controller's own figures):")
     if args.fixed_length:
@@ -179,10 +177,10 @@ def main() -> None:
     for line in summary or ([] if args.fixed_length else ["(this vllm-usd's controller gives no summary)"]):
         print(f"  {line}")
     if greedy:
-        same = sum(a == b for bs, us in zip(base, usd) for a, b in zip(bs["ids"], us["ids"]))
-        total = len(PROMPTS) * len(SCENARIOS)
-        print(f"greedy outputs identical to the target alone: {same}/{total}")
-        if same != total:
+        pairs = [(a, b) for engines in runs.values() for a, b in zip(engines["base"]["ids"], engines["usd"]["ids"])]
+        same = sum(a == b for a, b in pairs)
+        print(f"greedy outputs identical to the target alone: {same}/{len(pairs)}")
+        if same != len(pairs):
             raise SystemExit("greedy output differs from the target alone: this is a bug")
 
 

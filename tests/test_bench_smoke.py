@@ -52,3 +52,20 @@ def test_smoke_plan_writes_complete_results(tmp_path):
                 assert {"plain_mean_logprob", "spec_mean_logprob"} <= set(r["quality"])
     assert out.with_suffix(".md").read_text().count("\n") >= len(rows) + 2
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_interleaved_check_reports_each_kind_of_prompt_with_its_sources(tmp_path):
+    """benchmarks/interleaved_check.py (the side-by-side check of issue 40's targets) on its smallest plan:
+    a row per (kind, length, temperature, batch), paired ratios, and where every prompt came from."""
+    out = tmp_path / "interleaved.json"
+    res = subprocess.run([sys.executable, str(RUN.with_name("interleaved_check.py")), "--pair", "tiny", "--rounds", "1",
+                          "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert [(r["workload"], r["max_tokens"]) for r in result["rows"]] == [("code", 8), ("prose", 8), ("chat", 8)]
+    assert all(r["usd_ratio"] > 0 and len(r["usd_paired_ratios"]) == 1 for r in result["rows"])
+    sources = result["workloads"]["prompts"]
+    assert all(".py:" in s for s in sources["code"]) and all("#" in s for s in sources["prose"]), sources
+    assert result["host"]["cpu"] and result["workloads"]["python"]
+    assert "| code | 8 | 0.0 | 1 |" in res.stdout, res.stdout[-2000:]

@@ -61,33 +61,40 @@ def test_offline_batch_example(pair):
     assert "acceptance" in res.stdout.lower(), res.stdout[-2000:]
 
 
-def _usd_rows(stdout: str) -> list[dict[str, str]]:
-    """The demo's closing tables: the vllm-usd row of each, by column name."""
+def _demo_rows(stdout: str) -> list[dict[str, str]]:
+    """The demo's closing table, a dict per row by column name."""
     rows, header = [], None
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| | tokens/s"):
-            header = cells
-        elif header and line.startswith("| with vllm-usd"):
+        if line.startswith("| prompts | scenario"):
+            header = [c.split(" (")[0] for c in cells]
+        elif header and line.startswith("| ") and not line.startswith("|---"):
             rows.append(dict(zip(header, cells)))
+        elif header and not line.startswith("|"):
+            header = None
     return rows
 
 
 @pytest.mark.engine
 def test_demo_on_the_tiny_pair(pair):
-    """examples/demo.py: a table per scenario (batch 1, then every prompt at once), and the greedy-equality
-    line last (it exits non-zero when greedy output differs from the target alone).
+    """examples/demo.py: one table, a row per kind of prompt (code and prose nobody here wrote, our chat)
+    and scenario (batch 1, then 8 at once), and the greedy-equality line last (it exits non-zero when
+    greedy output differs from the target alone).
 
     The tiny pair's drafter costs as much as its target, so the draft-length controller rarely drafts;
     --fixed-length makes every step draft, so the equality is one with drafts.
     """
     res = _run([sys.executable, "examples/demo.py", "--target", pair[0], "--drafter", pair[1], "--max-tokens", "16",
-                "--fixed-length"])
-    assert res.stdout.rstrip().endswith("greedy outputs identical to the target alone: 16/16"), res.stdout[-2000:]
-    rows = _usd_rows(res.stdout)
-    assert len(rows) == 2, res.stdout[-2000:]  # one table per scenario: batch 1, then all prompts at once
+                "--fixed-length", "--rounds", "1"])
+    assert res.stdout.rstrip().endswith("greedy outputs identical to the target alone: 36/36"), res.stdout[-2000:]
+    rows = _demo_rows(res.stdout)
+    assert [(r["prompts"], r["scenario"]) for r in rows] == [
+        (kind, scenario) for kind in ("code", "prose", "chat") for scenario in ("one request at a time",
+                                                                             "8 requests at once")], res.stdout[-2000:]
     for row in rows:
-        assert int(row["drafts"]) > 0 and float(row["acceptance length"]) > 1 and row["greedy = target alone"] == "8/8"
+        assert int(row["drafts"]) > 0 and float(row["acceptance length"]) > 1, row
+        assert row["greedy = target alone"] == ("4/4" if row["scenario"] == "one request at a time" else "8/8"), row
+    assert "code from " in res.stdout and ".py:" in res.stdout, "the prompts' sources are named"
 
 
 @pytest.mark.engine

@@ -76,8 +76,8 @@ def own_chat(n: int) -> list[dict]:
     from vllm_usd.bench.plan import load_prompts
 
     prompts, meta = load_prompts()
-    chat = [{"text": p["text"], "source": f"{meta['file']}:{p['group']}"} for p in prompts if p["group"] == "chat"]
-    return chat[:n]
+    chat = [p["text"] for p in prompts if p["group"] == "chat"]
+    return [{"text": text, "source": f"{meta['file']}:chat#{i}"} for i, text in enumerate(chat[:n])]
 
 
 def _at_stride(found: list[dict], n: int) -> list[dict]:
