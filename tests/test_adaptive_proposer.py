@@ -223,6 +223,7 @@ def test_a_step_makes_one_collective_and_it_carries_rank_0s_costs_every_share_ev
     from vllm_usd.drafting.controller import SHARE_EVERY
     from vllm_usd.vllm_adapter import compat
 
+    monkeypatch.setattr(compat, "tp_size", lambda: 2)  # two ranks: costs travel every SHARE_EVERY steps
     p = _loaded()
     runner = FakeRunner()
     runner.add("a", _prompt(" the keeper"), sampling(0.0))

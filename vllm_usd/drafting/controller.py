@@ -34,7 +34,8 @@ what the step is expected to lose, the drafter's catch-up on what its rows misse
 (priced as one-token forwards of that many rows, which overstates a prefill). So
 whatever the pair, the prompts or the host, drafting costs a bucket at most ``LOSS_BUDGET`` of
 its served time over what the target alone would have taken, plus what the cycles until the
-next share lose (the loss is rank 0's, shared every ``SHARE_EVERY`` steps): a wrong prior, a
+next share lose (under tensor parallelism the loss is rank 0's, shared every ``SHARE_EVERY`` steps;
+alone, every step): a wrong prior, a
 drafter catching up on a prompt when it explores, a slow host. Where drafting pays, the loss is
 a growing gain and the budget never binds; where it stops paying, the gain made earlier is
 spent before drafting stops (so that a run's net result stays above 1 - ``LOSS_BUDGET``).
@@ -123,8 +124,11 @@ class _Acceptance:
 class DraftLengthController:
     """Chooses each step's draft length from measured acceptance and measured cycle costs."""
 
-    def __init__(self, k: int, timings: StartupTimings | None = None) -> None:
+    def __init__(self, k: int, timings: StartupTimings | None = None, share_every: int = SHARE_EVERY) -> None:
+        """``share_every``: steps between shares of the measured costs and losses (1 where nothing needs
+        sending: one rank)."""
         self.k = k
+        self.share_every = share_every
         self.timings = timings or StartupTimings()
         self.acceptance = _Acceptance(k)
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
@@ -162,10 +166,10 @@ class DraftLengthController:
                 loss[0] += seconds - tokens_per_row * self.cost(batch, 0)
 
     def share_due(self) -> dict | None:
-        """Called once per step on every rank: this rank's measured costs and losses every ``SHARE_EVERY``
+        """Called once per step on every rank: this rank's measured costs and losses every ``share_every``
         calls (to be sent, rank 0's taken by every rank through ``take_shared``), else None."""
         self._steps += 1
-        if self._steps % SHARE_EVERY:
+        if self._steps % self.share_every:
             return None
         return {"cells": {cell: (statistics.median(r), len(r), self._measured_at[cell])
                           for cell, r in self._ratios.items()},

@@ -273,6 +273,12 @@ def module_param_bytes(model) -> int:
         return 0
 
 
+def tp_size() -> int:
+    """The tensor-parallel group's size (1 without model-parallel groups)."""
+    group = _tp_group()
+    return 1 if group is None else int(group.world_size)
+
+
 def tp_rank() -> int:
     """This worker's global rank (for stats and logs; never for drafting decisions)."""
     import torch

@@ -25,6 +25,7 @@ from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
                                PhaseTimer, RequestTable, StartupTimings)
+from vllm_usd.drafting.controller import SHARE_EVERY
 from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
@@ -168,7 +169,9 @@ class UniversalProposer:
         logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer,
                                                   compat.gpu_memory_utilization(self.vllm_config)))
         if self.config.adaptive_length:
-            self.controller = DraftLengthController(self.k, self._startup_timings(target_model))
+            # alone, the costs and losses are taken at every step (nothing to send); under TP, every SHARE_EVERY
+            self.controller = DraftLengthController(self.k, self._startup_timings(target_model),
+                                                    share_every=SHARE_EVERY if compat.tp_size() > 1 else 1)
         self.startup_line = self._startup_line()
         logger.info("%s", self.startup_line)
 
