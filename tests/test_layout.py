@@ -55,14 +55,15 @@ def test_environment_variables_are_read_only_in_envs():
             assert name in envs.ALL, f"{f.relative_to(PACKAGE)} names {name}, which envs.py does not list"
 
 
-def test_the_drafting_folder_stays_within_1000_lines_and_10_numeric_constants():
-    """Issue 31: a controller a maintainer can explain. Numeric module constants: NAME = <number or tuple of numbers>."""
+def test_the_drafting_folder_stays_within_1000_lines_and_11_numeric_constants():
+    """Issue 31: a controller a maintainer can explain. Numeric module constants: NAME = <number or tuple of numbers>.
+    Issue 40 added the eleventh, LOSS_BUDGET: the stated bound on what exploring may cost."""
     files = _sources(PACKAGE / "drafting")
     lines = sum(len(f.read_text().splitlines()) for f in files)
     numeric = re.compile(r"^[A-Z][A-Z0-9_]*\s*(:[^=]+)?=\s*[-(\d]", re.MULTILINE)
     constants = [m.group(0) for f in files for m in numeric.finditer(f.read_text())]
     assert lines <= 1000, lines
-    assert len(constants) <= 10, constants
+    assert len(constants) <= 11, constants
     assert numeric.search("EXPLORE_EVERY = 32") and numeric.search("PRIOR = (1.0, 2.0)"), "power check"
 
 
