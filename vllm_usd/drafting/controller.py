@@ -210,7 +210,10 @@ class DraftLengthController:
         self._since_explore[b] += 1
         chosen = best
         if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
-            if not other or self._spent(b) + self._exploring_loss(batch, other, missed()) <= 0:
+            spent = self._spent(b)
+            # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
+            if not other or (spent + self._exploring_loss(batch, other, 0) <= 0
+                             and spent + self._exploring_loss(batch, other, missed()) <= 0):
                 self._since_explore[b], chosen = 0, other
         self.current[b] = chosen
         return chosen
