@@ -34,7 +34,7 @@ def sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed:
 
 
 class FakeRunner:
-    """input_batch.req_ids + requests[req_id].sampling_params, and the token history arrays."""
+    """input_batch.req_ids and .temperature_cpu + requests[req_id].sampling_params, and the token history arrays."""
 
     def __init__(self, max_len: int = 512):
         self.input_batch = SimpleNamespace(req_ids=[])
@@ -66,6 +66,9 @@ class FakeRunner:
         sampled = [[] if r in prefill else (new_tokens.get(r) or self.history[r][-1:]) for r in ids]
         spec = {r: self.last_drafts.get(r, []) for r in ids if r not in prefill}
         scheduled = {r: len(self.history[r]) if r in prefill else 1 + len(spec[r]) for r in ids}
+        # vLLM's InputBatch keeps each row's temperature, 0.0 for a greedy request
+        self.input_batch.temperature_cpu = np.array([self.requests[r].sampling_params.temperature or 0.0
+                                                     for r in ids] + [0.0], dtype=np.float32)
         proposer.bind_step(self, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(preempted),
                                                  num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=spec))
         drafts = proposer.propose(sampled, num, arr)

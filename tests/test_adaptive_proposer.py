@@ -29,7 +29,7 @@ def _prompt(text):
 
 def _force(p, length: int) -> None:
     """The controller gives this length to every step."""
-    p.controller.length = lambda batch, missed=None: length
+    p.controller.length = lambda batch, catch_up=None, greedy=0: length
 
 
 def _spy_forwards(p) -> list[list[str]]:
@@ -129,6 +129,7 @@ def test_load_model_times_the_drafter_and_it_drafts_from_the_first_step():
     p = _loaded()
     timings = p.controller.timings
     assert timings.target == () and [b for b, _ in timings.drafter][:3] == [1, 2, 4]
+    assert [n for n, _ in timings.drafter_prefill] == [32, 128], "a new request's first forward, timed"
     steps = _serve(p, 40)
     assert all(len(d) == 3 for d in steps[0].values()), "drafts from the first step: k has the most tokens"
     state = p.stats()["controller"]
@@ -139,9 +140,9 @@ def test_load_model_times_the_drafter_and_it_drafts_from_the_first_step():
 def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch):
     from vllm_usd.vllm_adapter import compat
 
-    rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)))
+    rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)), drafter_prefill=((32, 0.7),))
     shared = {(1, 0): (1.0, 8, 0), (1, 1): (9.0, 8, 0), (1, 2): (9.0, 8, 0), (1, 3): (9.0, 8, 0)}
-    monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: rank0.drafter)
+    monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: (rank0.drafter, rank0.drafter_prefill))
     monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: rank0.target)
     monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: (
         flag, None if payload is None else {"cells": shared, "loss": {}}))

@@ -25,15 +25,15 @@ def _share(controller, send=lambda local: local) -> None:
     if local is not None:
         controller.take_shared(send(local))
 
-def _accepting(rounds: int, k: int = 3, timings: StartupTimings = TIMINGS) -> DraftLengthController:
-    """A controller that saw ``rounds`` x 125 rows of 3 verified drafts, 1 in 5 rejected at each position:
-    25 rejected at the first, 20 of the 100 left at the second, 16 of 80 at the third."""
+def _accepting(rounds: int, k: int = 3, timings: StartupTimings = TIMINGS, greedy: bool = False) -> DraftLengthController:
+    """A controller that saw ``rounds`` x 125 rows (sampled ones, or ``greedy``) of 3 verified drafts, 1 in 5
+    rejected at each position: 25 rejected at the first, 20 of the 100 left at the second, 16 of 80 at the
+    third, all in one step."""
     c = DraftLengthController(k, timings)
     outcomes = [accepted for accepted, rows in ((0, 25), (1, 20), (2, 16), (3, 64)) for _ in range(rows)]
     for r in range(rounds):
-        random.Random(r).shuffle(outcomes)  # interleaved: the counts fade, the order must not matter
-        for accepted in outcomes:
-            c.observe([3], [[0] * (accepted + 1)])
+        random.Random(r).shuffle(outcomes)
+        c.observe([3] * len(outcomes), [[0] * (accepted + 1) for accepted in outcomes], [greedy] * len(outcomes))
     return c
 
 
@@ -43,30 +43,50 @@ def _choose(c: DraftLengthController, batch: int, steps: int = 1) -> list[int]:
 
 def test_acceptance_counts_the_drafts_vllm_scheduled_not_those_handed_over():
     c = DraftLengthController(3)
-    prior = c.acceptance.rates()
-    c.observe([1, 0], [[7, 8], [9]])  # row 0: 3 drafts handed over, vLLM verified 1 (accepted); row 1: none
-    rates = c.acceptance.rates()
-    assert rates[0] > prior[0] and rates[1:] == prior[1:], "positions 2 and 3 were never verified"
-    c.observe([3], [[7]])  # 3 verified, the first rejected
-    assert c.acceptance.offered[0] == pytest.approx(prior_offered := 2.0 + 2) and c.acceptance.accepted[0] == 2.0, \
-        prior_offered
-    assert c.acceptance.offered[1] == pytest.approx(2.0), "position 1 was not reached"
+    assert c.acceptance(False) == c.acceptance(True) == [0.5] * 3, "the prior: 1 accepted of 2 offered"
+    c.observe([1, 0], [[7, 8], [9]], [False, False])  # row 0: 3 handed over, vLLM verified 1 (accepted); row 1: none
+    assert c.acceptance(False) == [2 / 3, 0.5, 0.5], "positions 2 and 3 were never verified"
+    c.observe([3], [[7]], [False])  # 3 verified, the first rejected
+    assert c.acceptance(False) == [2 / 4, 0.5, 0.5], "1 of 2 measured, with the prior's 1 of 2"
+    assert c._acceptance[False].offered == [4.0, 2.0, 2.0], "no step passed: nothing faded"
+    assert c.acceptance(True) == [0.5] * 3, "greedy rows are counted apart"
 
 
-def test_acceptance_forgets_old_drafts():
-    c = DraftLengthController(1)
+def test_greedy_and_sampled_rows_are_counted_apart_and_a_batch_is_priced_by_its_mix():
+    """Greedy rows accept 4 drafts in 5 (what _accepting sets up), sampled rows none of 200: batch 1
+    drafts 3 for a greedy row and nothing for a sampled one; a batch of 2 of each expects the mean."""
+    c = _accepting(4, greedy=True)
+    c.observe([1] * 200, [[0]] * 200, [False] * 200)
+    assert c.acceptance(True)[0] == pytest.approx(0.8, abs=0.01) and c.acceptance(False)[0] < 0.01
+    assert c.length(1, greedy=1) == 3 and c.length(1, greedy=0) == 0
+    assert c.expected_tokens(3, 0.5) == pytest.approx((c.expected_tokens(3, 1.0) + c.expected_tokens(3, 0.0)) / 2)
+
+
+def test_acceptance_forgets_old_drafts_and_after_steps_without_drafts_the_next_draft_weighs_a_third():
+    """The counts fade with the steps served: recent drafts dominate; after ``ACCEPTANCE_MEMORY`` x 6 steps
+    without a draft the estimate is unchanged but weighs as 2 drafts (256 x e^-6 < 2), so one accepted draft moves it a
+    third of the way to 1 (where the old counts would have kept it within 0.01)."""
+    c = DraftLengthController(1, share_every=1)
     for _ in range(4 * ACCEPTANCE_MEMORY):
-        c.observe([1], [[1, 2]])
-    assert c.acceptance.rates()[0] > 0.99
+        c.observe([1], [[1, 2]], [False])
+        _share(c)
+    assert c.acceptance(False)[0] > 0.99
     for _ in range(2 * ACCEPTANCE_MEMORY):
-        c.observe([1], [[1]])
-    assert c.acceptance.rates()[0] < 0.2, "the recent rejections dominate"
+        c.observe([1], [[1]], [False])
+        _share(c)
+    assert c.acceptance(False)[0] < 0.2, "the recent rejections dominate"
+    low = c.acceptance(False)[0]
+    for _ in range(6 * ACCEPTANCE_MEMORY):
+        _share(c)
+    assert c.acceptance(False)[0] == pytest.approx(low), "no drafts: nothing learned"
+    c.observe([1], [[1, 2]], [False])
+    assert c.acceptance(False)[0] == pytest.approx(low + (1 - low) / 3)
 
 
 def test_the_length_with_most_expected_tokens_per_second_is_chosen():
     c = _accepting(4)
-    a = c.acceptance.rates()
-    assert a == pytest.approx([0.8] * 3, abs=0.03), "what _accepting set up (the counts fade)"
+    a = c.acceptance(False)
+    assert a == pytest.approx([0.8] * 3, abs=0.03), "what _accepting set up"
 
     def tokens(n: int) -> float:
         return 1 + sum(a[0] * a[1] if i == 2 else a[0] * a[1] * a[2] if i == 3 else a[0] for i in range(1, n + 1))
@@ -97,7 +117,7 @@ def test_measured_cycles_correct_the_estimate_and_unmeasured_lengths_take_their_
     scale = {0: 1.0, 1: 2.0, 2: 2.0, 3: 3.0}  # lengths 1 and 2: the median of their bucket's (1 and 3)
     for n in range(4):
         assert c.cost(1, n) == pytest.approx(scale[n] * TIMINGS.estimate(1, n)), n
-    a = c.acceptance.rates()
+    a = c.acceptance(False)
     expected = [(1 + sum(a[0] if i == 1 else a[0] * a[1] if i == 2 else a[0] * a[1] * a[2]
                          for i in range(1, n + 1))) / (scale[n] * TIMINGS.estimate(1, n)) for n in range(4)]
     assert c.length(1) == max(range(4), key=lambda n: expected[n]) != 3, expected
@@ -165,6 +185,16 @@ def test_without_startup_timings_every_length_starts_at_one_cost_and_measurement
     assert c.length(1) == 0, "measured: 2.95 tokens in 0.5 s lose to 1 token in 0.1 s"
 
 
+def test_a_catch_up_is_priced_as_a_prompt_where_the_drafters_first_forward_was_timed():
+    """100 missed tokens: between the 32- and 128-token prompt timings; without them, as a one-token step
+    of 100 rows (the batch-8 step's 0.08 s scaled to 100: 1 s)."""
+    drafter = ((1, 0.010), (8, 0.080))
+    timed = StartupTimings(target=TIMINGS.target, drafter=drafter, drafter_prefill=((32, 0.020), (128, 0.050)))
+    assert timed.catch_up(100) == pytest.approx(0.020 + 0.030 * (100 - 32) / 96)
+    assert StartupTimings(target=TIMINGS.target, drafter=drafter).catch_up(100) == pytest.approx(1.0)
+    assert timed.catch_up(0) == 0.0 and StartupTimings(drafter=drafter).catch_up(100) == 0.0
+
+
 def test_the_outlook_and_summary_say_why_at_each_batch_size():
     c = _accepting(4)
     assert c.outlook([1, 2, 4, 8]).startswith("drafting pays at batch 1: yes, 3 drafts ")
@@ -177,8 +207,19 @@ def test_the_outlook_and_summary_say_why_at_each_batch_size():
     assert all("start-up estimate" in line for line in lines)
 
 
-# the simulated pair's start-up timings: the drafter's one-token step 10 ms at batch 1, 40 ms at 16
-SIM_TIMINGS = StartupTimings(target=TIMINGS.target, drafter=((1, 0.010), (16, 0.040)))
+# the simulated pair's start-up timings: the drafter's one-token step 10 ms at batch 1, 40 ms at 16; its first
+# forward over a prompt 2 ms a token
+SIM_TIMINGS = StartupTimings(target=TIMINGS.target, drafter=((1, 0.010), (16, 0.040)),
+                             drafter_prefill=((32, 0.064), (128, 0.256)))
+
+
+def test_a_request_drafts_only_where_what_it_has_left_pays_the_drafters_catch_up_back():
+    """Batch 1, 4 drafts in 5 accepted at each position: 3 drafts give 2.95 tokens in 0.13 s against 1 in
+    0.1 s, 0.056 s saved a token. The drafter lacks 100 tokens, 0.2 s to catch up at 2 ms a token
+    (SIM_TIMINGS): drafting pays it back with 4 tokens left (0.22 s saved) and not with 3 (0.17 s)."""
+    c = _accepting(4, timings=SIM_TIMINGS)
+    assert [c.length(1, lambda: (100, left)) for left in (100.0, 4.0, 3.0)] == [3, 3, 0]
+    assert c.length(1, lambda: (0, 1.0)) == 3, "nothing to catch up on: drafting pays from the first token"
 
 
 def _serve_simulated(c: DraftLengthController, steps: int, acceptance, cycle_seconds, prompt: int = 100,
@@ -190,7 +231,7 @@ def _serve_simulated(c: DraftLengthController, steps: int, acceptance, cycle_sec
     drafts). Returns (length, seconds, tokens emitted) per step."""
     rng = random.Random(seed)
     out, context, known = [], prompt, 0  # the request's tokens so far; those its drafter has
-    length = c.length(1, lambda: context - known)
+    length = c.length(1, lambda: (context - known, prompt + request_tokens - context))
     for step in range(steps):
         accepted = 0
         while accepted < length and rng.random() < acceptance(step):
@@ -203,9 +244,9 @@ def _serve_simulated(c: DraftLengthController, steps: int, acceptance, cycle_sec
         if context - prompt >= request_tokens:  # the next request
             context, known = prompt, 0
         c.record_cycle(1, length, seconds, accepted + 1)
-        c.observe([length], [[0] * (accepted + 1)])
+        c.observe([length], [[0] * (accepted + 1)], [False])
         _share(c)
-        length = c.length(1, lambda: context - known)
+        length = c.length(1, lambda: (context - known, prompt + request_tokens - context))
     return out
 
 

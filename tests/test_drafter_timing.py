@@ -10,7 +10,7 @@ import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafting.controller import interpolate
-from vllm_usd.drafting.drafter_timing import TIMING_BATCHES, time_drafter
+from vllm_usd.drafting.drafter_timing import TIMING_BATCHES, time_drafter, time_drafter_prefill
 
 
 class CostedRuntime(DrafterRuntime):
@@ -53,6 +53,18 @@ def test_each_batch_size_is_timed_after_its_warm_up_and_the_requests_freed():
         "the slow warm-up forward of each batch size is not what counts"
     assert runtime.num_requests == 0, "the throw-away requests are gone"
     assert sorted(set(runtime.batches)) == sorted(TIMING_BATCHES)
+
+
+def test_a_new_requests_first_forward_is_timed_at_prompt_lengths_the_runtime_holds():
+    """A prompt of n tokens costs n x (f0 + f1) here: each length timed after its slow warm-up, on a fresh
+    request each time (the runtime asserts it only appends), none left behind; past max_len, not timed."""
+    runtime = CostedRuntime(f0=0.004, f1=0.0005)
+    points = time_drafter_prefill(runtime, [5, 6, 7], clock=lambda: runtime.now)
+    assert points == ((32, pytest.approx(32 * 0.0045)), (128, pytest.approx(128 * 0.0045)))
+    assert runtime.num_requests == 0
+    short = CostedRuntime(f0=0.004, f1=0.0005)
+    short.max_len = 64
+    assert [n for n, _ in time_drafter_prefill(short, [5], clock=lambda: short.now)] == [32]
 
 
 def test_batch_sizes_the_runtime_cannot_hold_are_skipped():

@@ -9,6 +9,7 @@ import torch
 from tests.fakes import FakeRunner, sampling, vllm_config
 from tests.faults import RankRngProposer
 from vllm_usd import UniversalProposer
+from vllm_usd.vllm_adapter import compat
 
 
 @pytest.fixture(scope="module")
@@ -45,25 +46,26 @@ def test_greedy_batch_drafts_k_shared_tokens_and_no_q(pair):
     assert p.num_request_states == 2 and p.runtime.num_requests == 2
 
 
-def test_missed_tokens_count_what_the_drafter_would_catch_up_on(pair):
+def test_the_catch_up_outlook_counts_what_the_drafter_would_catch_up_on_and_the_tokens_left(pair):
     """Beyond the k + 1 tokens a drafting row gains a step: a new request's whole prompt, none right after a
-    drafted step, then what the request gained while it drafted nothing (the controller prices exploring
-    with it)."""
+    drafted step, then what the request gained while it drafted nothing (the controller weighs it against
+    what drafting would save over the tokens left to max_tokens, 40 here)."""
     p = _proposer(pair)  # k = 3
     runner = FakeRunner()
     prompt = _prompt(pair, " the keeper of the small house by the river")
-    runner.add("a", prompt)
+    runner.add("a", prompt, sampling(max_tokens=40))
 
-    def missed() -> int:
+    def outlook() -> tuple[int, float]:
         ids = runner.input_batch.req_ids
-        return p.requests.missed_tokens(ids, [runner.history[r][-1:] for r in ids],
-                                        np.array([len(runner.history[r]) for r in ids]))
+        return p.requests.catch_up_outlook(ids, [runner.history[r][-1:] for r in ids],
+                                           np.array([len(runner.history[r]) for r in ids]),
+                                           lambda req_id: compat.request_sampling(runner, req_id))
 
-    assert missed() == len(prompt) - 4 > 0
+    assert outlook() == (len(prompt) - 4, 40) and len(prompt) > 4
     runner.step(p, {})
-    assert missed() == 0
+    assert outlook() == (0, 40)
     runner.history["a"].extend(prompt[:10])
-    assert missed() == 10 - 4
+    assert outlook() == (10 - 4, 30)
 
 
 def test_sampled_rows_get_q_aligned_with_the_batch(pair):

@@ -2,12 +2,14 @@
 
 Two things are kept, both from what the engine did:
 
-* **acceptance per draft position**, over all requests: of the drafts vLLM scheduled for
-  verification at position j (all before it accepted), the share accepted. A request
-  emitting ``a + 1`` tokens after ``n`` scheduled drafts had positions ``0..min(a, n - 1)``
-  offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget, structured output)
-  were never offered. The counts start at 1 accepted of 2 offered and fade so that about
-  the last ``ACCEPTANCE_MEMORY`` drafts at a position count.
+* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they
+  draft differently: by default greedy rows draft text, sampled rows TLI with q): of the drafts
+  vLLM scheduled for verification at position j (all before it accepted), the share accepted. A
+  request emitting ``a + 1`` tokens after ``n`` scheduled drafts had positions
+  ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget,
+  structured output) were never offered. The counts start at 1 accepted of 2 offered and fade
+  with the steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the weight of
+  2 drafts: after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
 * **the cost of an engine cycle** (one propose, the drafting it did, and the target step
   that verified it: start of one propose to the start of the next) for each batch-size
   bucket (1, 2-3, 4-7, ...) and length: the start-up estimate (the target's forward timed
@@ -20,7 +22,12 @@ Two things are kept, both from what the engine did:
 
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
-the plain step's cost). Ties go to the shorter length. Now and then a step takes another
+the plain step's cost; the mean over the rows, greedy and sampled). Ties go to the shorter length.
+Where the rows' drafters lack context (a new request's prompt, or tokens emitted while nothing was
+drafted), the step drafts only if what drafting saves over the tokens the rows have left (as far as
+max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
+forward timed at start-up): the drafter's prompt is paid once per request, and only where it pays
+back. Now and then a step takes another
 length instead, the one measured least recently (never measured first, the shorter on a tie),
 so that a length that looked worse is measured again: in each bucket, once the steps since its last such
 step number ``EXPLORE_EVERY`` times that length's cost over the best's.
@@ -30,7 +37,7 @@ compared with the target alone: it took ``seconds`` and its rows emitted ``t`` t
 which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a gain
 when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
 exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
-priced as one-token forwards of that many rows, which overstates a prefill), stays within
+priced as a prompt of that many tokens, as timed at start-up), stays within
 ``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget: a
 request's first drafted step pays for the drafter's catch-up on its prompt before its drafts
 pay it back, and a budget that stopped drafting there would stop it where it pays. Where
@@ -50,8 +57,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-ACCEPTANCE_MEMORY = 256  # drafts per position whose outcome counts (older ones fade)
-ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any draft was verified
+ACCEPTANCE_MEMORY = 256  # steps over which a draft's outcome counts (older ones fade)
+ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any draft was verified; the least weight
 CYCLES_KEPT = 16  # the latest measured cycles per (bucket, length)
 EXPLORE_EVERY = 32  # exploring takes at most about 1/EXPLORE_EVERY of each bucket's time
 SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
@@ -82,10 +89,12 @@ def interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
 @dataclass(frozen=True)
 class StartupTimings:
     """Seconds measured before serving: the target's forward at token counts, a one-token drafter
-    forward at batch sizes. Either may be empty (not timed): then it prices nothing."""
+    forward at batch sizes, a new drafter request's first forward at prompt lengths. Any may be empty
+    (not timed): then it prices nothing."""
 
     target: tuple[tuple[int, float], ...] = ()
     drafter: tuple[tuple[int, float], ...] = ()
+    drafter_prefill: tuple[tuple[int, float], ...] = ()
 
     def estimate(self, batch: int, length: int) -> float:
         """A cycle of ``batch`` rows drafting ``length`` each; without the target's timing, 1.0 for every
@@ -96,26 +105,40 @@ class StartupTimings:
         return max(interpolate(self.target, batch * (1 + length)) + length * drafter, 1e-9)
 
     def catch_up(self, tokens: int) -> float:
-        """The drafter's forward over ``tokens`` missed tokens, priced as a one-token step of that many
-        rows (0 where either side was not timed: there is no unit to price it in)."""
-        return interpolate(self.drafter, tokens) if tokens > 0 and self.target and self.drafter else 0.0
+        """The drafter's forward over ``tokens`` missed tokens, priced as a prompt of that many (without
+        that timing, as a one-token step of that many rows, which overstates it); 0 where the target or
+        the drafter was not timed (there is no unit to price it in)."""
+        if tokens <= 0 or not self.target or not self.drafter:
+            return 0.0
+        return interpolate(self.drafter_prefill or self.drafter, tokens)
 
 
 class _Acceptance:
+    """Accepted and offered drafts per position, faded by the steps since (see the module's docstring)."""
+
     def __init__(self, k: int) -> None:
         self.accepted = [ACCEPTANCE_PRIOR[0]] * k
         self.offered = [ACCEPTANCE_PRIOR[1]] * k
+        self._step = 0  # the step the counts were last faded to
 
-    def add(self, scheduled: int, num_accepted: int) -> None:
+    def _fade_to(self, step: int) -> None:
+        if step > self._step:
+            fade = (1.0 - 1.0 / ACCEPTANCE_MEMORY) ** (step - self._step)
+            for j, offered in enumerate(self.offered):
+                if offered > ACCEPTANCE_PRIOR[1]:  # the share accepted is kept; only its weight fades
+                    scale = max(fade, ACCEPTANCE_PRIOR[1] / offered)
+                    self.accepted[j] *= scale
+                    self.offered[j] *= scale
+            self._step = step
+
+    def add(self, step: int, scheduled: int, num_accepted: int) -> None:
+        self._fade_to(step)
         for j in range(min(num_accepted + 1, scheduled)):
-            if self.offered[j] >= ACCEPTANCE_MEMORY:
-                fade = (ACCEPTANCE_MEMORY - 1) / ACCEPTANCE_MEMORY
-                self.offered[j] *= fade
-                self.accepted[j] *= fade
             self.offered[j] += 1.0
             self.accepted[j] += float(j < num_accepted)
 
-    def rates(self) -> list[float]:
+    def rates(self, step: int) -> list[float]:
+        self._fade_to(step)
         return [a / o for a, o in zip(self.accepted, self.offered)]
 
 
@@ -128,7 +151,8 @@ class DraftLengthController:
         self.k = k
         self.share_every = share_every
         self.timings = timings or StartupTimings()
-        self.acceptance = _Acceptance(k)
+        self._acceptance = {True: _Acceptance(k), False: _Acceptance(k)}  # greedy rows', sampled rows'
+        self._greedy_share: dict[int, float] = {}  # bucket -> the share of greedy rows at its last step
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
         self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, length) -> the step of its last cycle
         # (bucket, length) -> (median ratio, cycles kept, step last measured): rank 0's, as last shared
@@ -143,11 +167,11 @@ class DraftLengthController:
         self._previous_length: int | None = None  # the last measured cycle's
 
     # -- what the engine did ---------------------------------------------------------------------
-    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]]) -> None:
-        """Row i had ``scheduled[i]`` drafts verified and emitted ``sampled[i]``."""
-        for n, tokens in zip(scheduled, sampled):
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
+        """Row i (greedy or not: ``greedy[i]``) had ``scheduled[i]`` drafts verified and emitted ``sampled[i]``."""
+        for n, tokens, g in zip(scheduled, sampled, greedy):
             if n and tokens:
-                self.acceptance.add(n, min(len(tokens) - 1, n))
+                self._acceptance[bool(g)].add(self._steps, n, min(len(tokens) - 1, n))
 
     def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
         """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock), whose rows
@@ -178,11 +202,20 @@ class DraftLengthController:
         self.shared, self.shared_loss = shared["cells"], shared["loss"]
 
     # -- this step ---------------------------------------------------------------------------------
-    def expected_tokens(self, length: int) -> float:
-        total, reach = 1.0, 1.0
-        for rate in self.acceptance.rates()[:length]:
-            reach *= rate
-            total += reach
+    def acceptance(self, greedy: bool) -> list[float]:
+        """The estimated acceptance at each draft position, of greedy rows or of sampled ones."""
+        return self._acceptance[greedy].rates(self._steps)
+
+    def expected_tokens(self, length: int, greedy_share: float = 0.0) -> float:
+        """Tokens a row is expected to emit in a cycle drafting ``length``, a ``greedy_share`` of the rows greedy."""
+        total = 0.0
+        for greedy, share in ((True, greedy_share), (False, 1.0 - greedy_share)):
+            if share > 0:
+                tokens, reach = 1.0, 1.0
+                for rate in self.acceptance(greedy)[:length]:
+                    reach *= rate
+                    tokens += reach
+                total += share * tokens
         return total
 
     def cost(self, batch: int, length: int) -> float:
@@ -194,46 +227,62 @@ class DraftLengthController:
             cell = (statistics.median(same_bucket or [cell[0] for cell in self.shared.values()] or [1.0]),)
         return self.timings.estimate(batch, length) * max(cell[0], 1e-9)
 
-    def rates(self, batch: int) -> list[float]:
+    def rates(self, batch: int, greedy_share: float = 0.0) -> list[float]:
         """Expected tokens per second per row at each length 0..k."""
-        return [self.expected_tokens(n) / self.cost(batch, n) for n in range(self.k + 1)]
+        return [self.expected_tokens(n, greedy_share) / self.cost(batch, n) for n in range(self.k + 1)]
 
-    def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:
-        """This step's length for every row of a ``batch``-row step: its best, or now and then the length
-        measured least recently, where the bucket's loss budget covers it. ``missed()``: the tokens its rows'
-        drafter contexts lack beyond what a drafted step feeds anyway (asked only when exploring is due)."""
+    def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+               greedy: int = 0) -> int:
+        """This step's length for every row of a ``batch``-row step, ``greedy`` of them greedy: its best where
+        drafting from now on pays the drafter's catch-up back, or now and then the length measured least
+        recently, where the bucket's loss budget covers it. ``catch_up()``: (the tokens the rows' drafter
+        contexts lack beyond what a drafted step feeds anyway, the tokens the rows have left on average),
+        asked where a step would draft (a loop over the rows)."""
         b = bucket(batch)
-        rates = self.rates(batch)
+        share = self._greedy_share[b] = min(greedy / batch, 1.0) if batch > 0 else 0.0
+        rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         other = min((n for n in range(self.k + 1) if n != best),
                     key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
         self._since_explore[b] += 1
-        chosen = best
-        if self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
+        chosen, outlook = best, None
+        if best:
+            outlook = catch_up()
+            if not self._catch_up_pays(batch, best, share, *outlook):
+                chosen = 0
+        if chosen != other and self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
             spent = self._spent(b)
             # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
-            if not other or (spent + self._exploring_loss(batch, other, 0) <= 0
-                             and spent + self._exploring_loss(batch, other, missed()) <= 0):
+            if not other or (spent + self._exploring_loss(batch, other, 0, share) <= 0
+                             and spent + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
                 self._since_explore[b], chosen = 0, other
         self.current[b] = chosen
         return chosen
+
+    def _catch_up_pays(self, batch: int, length: int, greedy_share: float, missed: int, left: float) -> bool:
+        """Whether drafting ``length`` from now on saves more over the ``left`` tokens each row has left (a plain
+        cycle each, or a drafted cycle per E(length)) than the drafter's catch-up on ``missed`` costs first."""
+        if not missed:
+            return True
+        saved_per_token = self.cost(batch, 0) - self.cost(batch, length) / self.expected_tokens(length, greedy_share)
+        return left * saved_per_token > self.timings.catch_up(missed)
 
     def _spent(self, b: int) -> float:
         """Seconds bucket ``b``'s drafting lost beyond its budget (rank 0's, as last shared; <= 0 within it)."""
         loss, served = self.shared_loss.get(b, (0.0, 0.0))
         return loss - LOSS_BUDGET * served
 
-    def _exploring_loss(self, batch: int, length: int, missed: int) -> float:
+    def _exploring_loss(self, batch: int, length: int, missed: int, greedy_share: float) -> float:
         """What one step at ``length`` is expected to lose against the target alone (0 if it gains), the
-        drafter's catch-up on ``missed`` tokens included (priced as a one-token step of that many rows,
-        which overstates a prefill)."""
+        drafter's catch-up on ``missed`` tokens included."""
         cost = self.cost(batch, length) + self.timings.catch_up(missed)
-        return max(cost - self.expected_tokens(length) * self.cost(batch, 0), 0.0)
+        return max(cost - self.expected_tokens(length, greedy_share) * self.cost(batch, 0), 0.0)
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
     def _best(self, batch: int) -> tuple[int, float]:
-        """(the best length at ``batch``, its expected speed-up over no drafts), without exploring."""
-        rates = self.rates(batch)
+        """(the best length at ``batch``, its expected speed-up over no drafts, at its bucket's last share of
+        greedy rows), without exploring."""
+        rates = self.rates(batch, self._greedy_share.get(bucket(batch), 0.0))
         best = max(range(1, self.k + 1), key=lambda n: (rates[n], -n))
         return best, rates[best] / rates[0]
 
@@ -255,9 +304,14 @@ class DraftLengthController:
             plain = self.expected_tokens(0) / self.cost(batch, 0) * batch
             measured = "measured" if any(cb == b for cb, _ in self.shared) else "start-up estimate"
             lines.append(f"batch {bucket_label(b)}: length {length} last; best {best if gain > 1 else 0} "
-                         f"({gain:.2f}x of {plain:.1f} tok/s without drafts at {best}, {measured}), acceptance "
-                         + "/".join(f"{a:.2f}" for a in self.acceptance.rates()))
+                         f"({gain:.2f}x of {plain:.1f} tok/s without drafts at {best}, {measured}; "
+                         f"{self._greedy_share[b]:.0%} of rows greedy), acceptance {self.acceptance_line()}")
         return lines
+
+    def acceptance_line(self) -> str:
+        """Greedy rows' and sampled rows' acceptance per position, in one line."""
+        return "; ".join(f"{name} " + "/".join(f"{a:.2f}" for a in self.acceptance(greedy))
+                         for name, greedy in (("greedy", True), ("sampled", False)))
 
     def lengths(self) -> dict[str, int]:
         """The best length of each batch-size bucket at its last step (exploring aside)."""
@@ -265,12 +319,14 @@ class DraftLengthController:
 
     def state(self) -> dict[str, object]:
         return {"lengths": self.lengths(),
-                "acceptance": [round(a, 4) for a in self.acceptance.rates()],
+                "acceptance": {name: [round(a, 4) for a in self.acceptance(greedy)]
+                               for name, greedy in (("greedy", True), ("sampled", False))},
                 "cost_scale": {f"{bucket_label(b)}/{n}": round(cell[0], 4) for (b, n), cell in sorted(self.shared.items())},
                 # per bucket: drafted cycles' seconds beyond the target alone (negative: gained), over served
                 "loss_share": {bucket_label(b): round(loss / served, 4) for b, (loss, served)
                                in sorted(self.shared_loss.items()) if served > 0},
-                "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter)}}
+                "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter),
+                                    "drafter_prefill": list(self.timings.drafter_prefill)}}
 
 
 class FixedLength:
@@ -279,7 +335,7 @@ class FixedLength:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]]) -> None:
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
         pass
 
     def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
@@ -291,7 +347,8 @@ class FixedLength:
     def take_shared(self, shared: dict) -> None:
         pass
 
-    def length(self, batch: int, missed: Callable[[], int] = lambda: 0) -> int:
+    def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+               greedy: int = 0) -> int:
         return self.k
 
     def outlook(self, batches: Sequence[int]) -> str:

@@ -1,7 +1,8 @@
 """The drafter's forward, timed once at start-up on the runtime it drafts with.
 
 A few throw-away requests, one-token forwards at each batch size, the median after a
-warm-up forward (a runtime's first forwards allocate): the controller
+warm-up forward (a runtime's first forwards allocate), and one request's first forward over a
+prompt of a few lengths (what a drafter pays to catch up on a context it never saw): the controller
 (``controller.py``) prices drafts from what this drafter costs on this device and in
 this weight format. Under tensor parallelism only the group's rank 0 times its drafter,
 and every rank takes that result (the caller broadcasts it).
@@ -38,6 +39,34 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
         if seconds is None:
             break
         points.append((batch, max(seconds, points[-1][1]) if points else seconds))
+    return tuple(points)
+
+
+def time_drafter_prefill(runtime: DrafterRuntime, token_ids: Sequence[int], *,
+                         lengths: Sequence[int] = (CONTEXT_TOKENS, 4 * CONTEXT_TOKENS), clock: Callable[[], float] | None = None,
+                         ) -> tuple[tuple[int, float], ...]:
+    """(prompt tokens, median seconds of a new request's first forward over them) at each of ``lengths``
+    the runtime holds, never falling as the prompt grows; a fresh request each time."""
+    if not token_ids:
+        raise ValueError("time_drafter_prefill needs at least one drafter token id")
+    points: list[tuple[int, float]] = []
+    for length in sorted(set(lengths)):
+        if length > runtime.max_len:
+            break
+        prompt = [token_ids[i % len(token_ids)] for i in range(length)]
+        req_id = f"{_REQUEST_PREFIX}prefill-{length}"
+
+        def first_forward() -> None:
+            runtime.free(req_id)
+            if not runtime.add(req_id):
+                raise RuntimeError("the drafter holds no request for its timing")
+            _wait(runtime.forward([req_id], [0], [prompt]))
+
+        try:
+            seconds = median_seconds(first_forward, clock=clock)
+        finally:
+            runtime.free(req_id)
+        points.append((length, max(seconds, points[-1][1]) if points else seconds))
     return tuple(points)
 
 

@@ -182,15 +182,20 @@ class RequestTable:
             return None
         return state, seq, known
 
-    def missed_tokens(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray) -> int:
-        """Target tokens the decoding rows' drafter contexts lack beyond the k + 1 a drafted step feeds
-        anyway: what the drafter must catch up on if this step drafts (a new request: its whole context)."""
-        missed = 0
+    def catch_up_outlook(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
+                         sampling: Callable[[str], RequestSampling]) -> tuple[int, float]:
+        """(target tokens the decoding rows' drafter contexts lack beyond the k + 1 a drafted step feeds
+        anyway: what the drafter must catch up on if this step drafts, a new request's whole context;
+        the tokens those rows have left to emit, on average, as far as max_tokens says)."""
+        missed, left, rows = 0, 0, 0
         for i, sampled in enumerate(sampled_token_ids):
             if sampled and req_ids[i] not in self._undraftable:
                 state = self._states.get(req_ids[i])
-                missed += max(int(num_tokens[i]) - (state.committed if state else 0) - (self._k + 1), 0)
-        return missed
+                n = int(num_tokens[i])
+                missed += max(n - (state.committed if state else 0) - (self._k + 1), 0)
+                left += max((state.last_token if state else sampling(req_ids[i]).last_token) - n, 0)
+                rows += 1
+        return missed, left / rows if rows else 0.0
 
     def collect(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                 token_ids: np.ndarray, sampling: Callable[[str], RequestSampling],

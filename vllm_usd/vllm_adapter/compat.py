@@ -14,9 +14,10 @@ import sys
 from importlib import metadata
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from vllm_usd.drafting.requests import RequestSampling
+from vllm_usd.drafting.requests import SAMPLING_EPS, RequestSampling
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -154,6 +155,12 @@ def load_target_tokenizer(vllm_config):
 # --- the model runner, read-only -----------------------------------------------------------
 def runner_req_ids(runner) -> list[str]:
     return runner.input_batch.req_ids
+
+
+def runner_greedy_rows(runner, num_rows: int) -> np.ndarray:
+    """Per row of the runner's input batch (its first ``num_rows``): whether the request is greedy (vLLM
+    keeps a greedy request's temperature at 0.0 there)."""
+    return runner.input_batch.temperature_cpu[:num_rows] < SAMPLING_EPS
 
 
 def runner_live_req_ids(runner):

@@ -26,7 +26,7 @@ from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
                                PhaseTimer, RequestTable, StartupTimings)
 from vllm_usd.drafting.controller import SHARE_EVERY
-from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter
+from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter, time_drafter_prefill
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
@@ -138,16 +138,17 @@ class UniversalProposer:
     def _startup_timings(self, target_model: Any) -> StartupTimings:
         """The drafter timed on rank 0, the target on every rank (its collectives must meet); rank 0's
         figures taken by every rank."""
-        def drafter_points() -> tuple[tuple[int, float], ...]:
+        def drafter_points() -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
             ids = self.mapping.draft_ids.tolist()
             middle = len(ids) // 2  # ordinary tokens (the lowest ids are often specials and bytes)
+            ordinary = ids[middle:middle + 4 * CONTEXT_TOKENS] or ids
             try:
-                return time_drafter(self.runtime, ids[middle:middle + CONTEXT_TOKENS] or ids)
+                return time_drafter(self.runtime, ordinary), time_drafter_prefill(self.runtime, ordinary)
             except Exception as exc:  # noqa: BLE001 - the controller then measures while serving only
                 logger.warning("vllm-usd: timing the drafter failed (%s); drafts are priced as measured", exc)
-                return ()
+                return (), ()
 
-        drafter = compat.computed_on_tp_rank0(drafter_points)
+        drafter, prefill = compat.computed_on_tp_rank0(drafter_points)
         target: tuple[tuple[int, float], ...] = ()
         if compat.enforce_eager(self.vllm_config):  # a compiled target is first run by vLLM's own warm-up
             try:
@@ -159,7 +160,7 @@ class UniversalProposer:
                                exc)
         if compat.tp_any(not target):  # every rank goes on alike
             target = ()
-        return StartupTimings(target=compat.tp_broadcast_from_rank0(target), drafter=drafter)
+        return StartupTimings(target=compat.tp_broadcast_from_rank0(target), drafter=drafter, drafter_prefill=prefill)
 
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
@@ -187,7 +188,7 @@ class UniversalProposer:
         batches = [1 << b for b in range(compat.max_num_seqs(self.vllm_config).bit_length())]
         return (f"{drafter}, a step at batch 1: {drafter_ms}; a cycle at batch 1: {cycle_ms[0]} without drafts, "
                 f"{cycle_ms[1]} with {self.k} (start-up timing); at acceptance "
-                + "/".join(f"{a:.2f}" for a in self.controller.acceptance.rates())
+                + "/".join(f"{a:.2f}" for a in self.controller.acceptance(False))
                 + f" until measured, {self.controller.outlook(batches)}")
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
@@ -292,9 +293,10 @@ class UniversalProposer:
                 emitted = [len(s) for s in sampled_token_ids if s]
                 controller.record_cycle(batch, self._length, started - self._last_start,
                                         sum(emitted) / len(emitted) if emitted else None)
+            greedy = compat.runner_greedy_rows(self._runner, len(sampled_token_ids)) if self._runner is not None else []
             if self._runner is not None:
                 controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)),
-                                   sampled_token_ids)
+                                   sampled_token_ids, greedy)
         except Exception as exc:  # noqa: BLE001 - counted as the step's failure; the vote must still happen
             failure = exc
         self._last_start = started
@@ -302,8 +304,10 @@ class UniversalProposer:
         if failure is None and batch and fits:
             try:
                 runner = self._runner
-                self._length = controller.length(batch, lambda: self.requests.missed_tokens(
-                    compat.runner_req_ids(runner), sampled_token_ids, num_tokens) if runner is not None else 0)
+                self._length = controller.length(batch, lambda: self.requests.catch_up_outlook(
+                    compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
+                    lambda req_id: compat.request_sampling(runner, req_id)) if runner is not None else (0, 0.0),
+                    greedy=int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
@@ -390,3 +394,4 @@ class UniversalProposer:
             for req_id in list(compat.runner_req_ids(self._runner))[:num_rows]:
                 self.requests.free(req_id)
         self._last_q = None
+
