@@ -141,7 +141,7 @@ def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch
     from vllm_usd.vllm_adapter import compat
 
     rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)), drafter_prefill=((32, 0.7),))
-    shared = {(1, 0): (1.0, 8, 0), (1, 1): (9.0, 8, 0), (1, 2): (9.0, 8, 0), (1, 3): (9.0, 8, 0)}
+    shared = {(1, 0): (1.0, 8), (1, 1): (9.0, 8), (1, 2): (9.0, 8), (1, 3): (9.0, 8)}
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: (rank0.drafter, rank0.drafter_prefill))
     monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: rank0.target)
     monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: (

@@ -26,11 +26,11 @@ the plain step's cost; the mean over the rows, greedy and sampled). Ties go to t
 Where the rows' drafters lack context (a new request's prompt, or tokens emitted while nothing was
 drafted), the step drafts only if what drafting saves over the tokens the rows have left (as far as
 max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
-forward timed at start-up): the drafter's prompt is paid once per request, and only where it pays
-back. Now and then a step takes another
-length instead, the one measured least recently (never measured first, the shorter on a tie),
-so that a length that looked worse is measured again: in each bucket, once the steps since its last such
-step number ``EXPLORE_EVERY`` times that length's cost over the best's.
+forward timed at start-up): the drafter's prompt is paid once per request, where it pays back.
+Now and then a step takes another length, the one tried least recently (never tried first,
+the shorter on a tie) of plain and those that would beat the best were every draft accepted, so
+that a length that looked worse is measured again: in each bucket, once the steps since its last
+such step number ``EXPLORE_EVERY`` times that length's cost over the best's.
 
 **What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
 compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
@@ -38,16 +38,14 @@ which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the differen
 when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
 exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
 priced as a prompt of that many tokens, as timed at start-up), stays within
-``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget: a
-request's first drafted step pays for the drafter's catch-up on its prompt before its drafts
-pay it back, and a budget that stopped drafting there would stop it where it pays. Where
-drafting never pays, the loss is then exploring's (at most ``LOSS_BUDGET`` of the served time,
-plus what the cycles until the next share lose) and the prior's (drafting until a few
-rejections show it: the prior weighs 2 drafts per position).
+``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget (a
+request's first drafted step pays the catch-up before its drafts pay it back). Where drafting
+never pays, the loss is exploring's (at most ``LOSS_BUDGET`` of the served time, plus what the
+cycles until the next share lose) and the prior's (the first few rejections: it weighs 2 drafts).
 
-Tensor parallelism: acceptance comes from the tokens every rank samples alike, and the step
-counts are alike; the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's
-one collective (and the start-up timings once), so every rank chooses the same length.
+Tensor parallelism: acceptance comes from the tokens every rank samples alike, the step counts
+are alike, and the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's one
+collective (the start-up timings once): every rank chooses the same length.
 """
 
 from __future__ import annotations
@@ -124,11 +122,10 @@ class _Acceptance:
     def _fade_to(self, step: int) -> None:
         if step > self._step:
             fade = (1.0 - 1.0 / ACCEPTANCE_MEMORY) ** (step - self._step)
-            for j, offered in enumerate(self.offered):
-                if offered > ACCEPTANCE_PRIOR[1]:  # the share accepted is kept; only its weight fades
-                    scale = max(fade, ACCEPTANCE_PRIOR[1] / offered)
-                    self.accepted[j] *= scale
-                    self.offered[j] *= scale
+            for j, offered in enumerate(self.offered):  # the share accepted is kept; only its weight fades
+                scale = max(fade, min(ACCEPTANCE_PRIOR[1] / offered, 1.0))
+                self.accepted[j] *= scale
+                self.offered[j] *= scale
             self._step = step
 
     def add(self, step: int, scheduled: int, num_accepted: int) -> None:
@@ -154,9 +151,10 @@ class DraftLengthController:
         self._acceptance = {True: _Acceptance(k), False: _Acceptance(k)}  # greedy rows', sampled rows'
         self._greedy_share: dict[int, float] = {}  # bucket -> the share of greedy rows at its last step
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
-        self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, length) -> the step of its last cycle
-        # (bucket, length) -> (median ratio, cycles kept, step last measured): rank 0's, as last shared
-        self.shared: dict[tuple[int, int], tuple[float, int, int]] = {}
+        # (bucket, length) -> the step of its last cycle (alike on every rank: steps and lengths are)
+        self._tried_at: dict[tuple[int, int], int] = {}
+        # (bucket, length) -> (median ratio, cycles kept): rank 0's, as last shared
+        self.shared: dict[tuple[int, int], tuple[float, int]] = {}
         self.best: dict[int, int] = {}  # bucket -> the best length at its last step (exploring aside)
         self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
@@ -179,9 +177,9 @@ class DraftLengthController:
         previous, self._previous_length = self._previous_length, length
         if batch > 0 and seconds > 0:
             cell = (bucket(batch), length)
+            self._tried_at[cell] = self._steps
             if not (length and previous == 0):  # a first drafted cycle pays a one-off catch-up: the budget's
                 self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
-                self._measured_at[cell] = self._steps
             loss = self._loss[cell[0]]
             loss[1] += seconds
             if length and tokens_per_row:
@@ -193,8 +191,7 @@ class DraftLengthController:
         self._steps += 1
         if self._steps % self.share_every:
             return None
-        return {"cells": {cell: (statistics.median(r), len(r), self._measured_at[cell])
-                          for cell, r in self._ratios.items()},
+        return {"cells": {cell: (statistics.median(r), len(r)) for cell, r in self._ratios.items()},
                 "loss": {b: (loss, served) for b, (loss, served) in self._loss.items()}}
 
     def take_shared(self, shared: dict) -> None:
@@ -234,7 +231,7 @@ class DraftLengthController:
     def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
                greedy: int = 0) -> int:
         """This step's length for every row of a ``batch``-row step, ``greedy`` of them greedy: its best where
-        drafting from now on pays the drafter's catch-up back, or now and then the length measured least
+        drafting from now on pays the drafter's catch-up back, or now and then the length tried least
         recently, where the bucket's loss budget covers it. ``catch_up()``: (the tokens the rows' drafter
         contexts lack beyond what a drafted step feeds anyway, the tokens the rows have left on average),
         asked where a step would draft (a loop over the rows)."""
@@ -242,15 +239,18 @@ class DraftLengthController:
         share = self._greedy_share[b] = min(greedy / batch, 1.0) if batch > 0 else 0.0
         rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
-        other = min((n for n in range(self.k + 1) if n != best),
-                    key=lambda n: (self.shared.get((b, n), (0.0, 0, -1))[2], n))
+        # worth measuring again: plain (its cost), and lengths that would beat the best were every draft accepted
+        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) / self.cost(batch, n)
+                                                                    > rates[best])),
+                    key=lambda n: (self._tried_at.get((b, n), -1), n), default=best)
         self._since_explore[b] += 1
         chosen, outlook = best, None
         if best:
             outlook = catch_up()
             if not self._catch_up_pays(batch, best, share, *outlook):
                 chosen = 0
-        if chosen != other and self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best):
+        due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
+        if due and other not in (chosen, best):
             spent = self._spent(b)
             # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
             if not other or (spent + self._exploring_loss(batch, other, 0, share) <= 0
