@@ -34,6 +34,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _lengths(llm, proposer_stats) -> dict[str, int]:
+    """The proposer's row-steps counted at each draft length so far (``length_0`` ... ``length_k``)."""
+    counters = (llm.collective_rpc(proposer_stats)[0] or {}).get("counters") or {}
+    return {key: value for key, value in counters.items() if key.startswith("length_")}
+
+
 def _timed(llm, prompts: list[str], batch: int, temperature: float, max_tokens: int) -> float:
     from vllm import SamplingParams
 
@@ -113,9 +119,15 @@ def main(argv: list[str] | None = None) -> int:
                 names = list(systems)  # the order rotates by round (with two engines: alternates)
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
+                    drafts = name not in ("plain", "control")
+                    before = _lengths(engines[name], proposer_stats) if drafts else {}
                     tok_s = _timed(engines[name], group(kind, batch), batch, temperature, max_tokens)
                     runs[name].append({"round": r, "workload": kind, "max_tokens": max_tokens,
                                        "temperature": temperature, "batch": batch, "tok_s": tok_s})
+                    if drafts:  # row-steps at each draft length in this cell: what the controller did
+                        after = _lengths(engines[name], proposer_stats)
+                        runs[name][-1]["row_steps_by_length"] = {n: after[n] - before.get(n, 0) for n in after
+                                                                 if after[n] - before.get(n, 0)}
                     print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
         proposers = {name: {key: (engines[name].collective_rpc(proposer_stats)[0] or {}).get(key)
                             for key in ("counters", "timings", "controller", "controller_summary")}

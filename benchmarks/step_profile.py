@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import SamplingParams
 
     from benchmarks.run import pair_specs
-    from vllm_usd.bench import load_prompts
+    from vllm_usd.bench.public_prompts import CATEGORIES, load_workloads
     from vllm_usd.bench.machine import cpu_flags, cpu_model
     from vllm_usd.bench.vllm_systems import engine
     from vllm_usd.config import speculative_args
@@ -94,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workload", default="chat", choices=CATEGORIES, help="kind of prompt (interleaved_check's)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per round, one request at a time")
     parser.add_argument("--never-draft", action="store_true", help="vllm-usd's engine drafts nothing (NeverDrafts)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
-    prompts = [p["text"] for p in load_prompts()[0]][:4]
+    prompts = [p["text"] for p in load_workloads([args.workload], n=args.prompts)[args.workload]]
     systems = {"plain": {}, f"usd_k{args.k}": speculative_args(drafter=args.drafter or spec.drafter, k=args.k,
                                                                **{"adaptive_length": False, "profile": True,
                                                                   **json.loads(args.usd)})}
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                       ", ".join(f"{key} {ms} ms" for key, ms in per_step_ms.items()), flush=True)
     result = {"command": "python benchmarks/step_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "temperature": args.temperature, "never_draft": args.never_draft,
+              "workload": args.workload, "max_tokens": args.max_tokens,
               "host": {"cpu": cpu_model(), "flags": cpu_flags()}, "runs": runs,
               "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_CPU_", "OMP_"))}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
