@@ -29,7 +29,7 @@ def _prompt(text):
 
 def _force(p, length: int) -> None:
     """The controller gives this length to every step."""
-    p.controller.length = lambda batch, *args: length
+    p.controller.length = lambda batch, catch_up=None, greedy=0: length
 
 
 def _spy_forwards(p) -> list[list[str]]:

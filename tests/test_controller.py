@@ -58,24 +58,8 @@ def test_greedy_and_sampled_rows_are_counted_apart_and_a_batch_is_priced_by_its_
     c = _accepting(4, greedy=True)
     c.observe([1] * 200, [[0]] * 200, [False] * 200)
     assert c.acceptance(True)[0] == pytest.approx(0.8, abs=0.01) and c.acceptance(False)[0] < 0.01
-    assert c.length(1, greedy=[True]) == 3 and c.length(1, greedy=[False]) == 0
-    assert c.step_expected([True, False])[3] == pytest.approx((c.step_expected([True])[3] + c.step_expected([False])[3]) / 2)
-
-
-def test_a_requests_own_drafts_update_its_rows_acceptance_until_it_ends():
-    """Sampled rows accept 4 drafts in 5 over all requests; request "code" had its first draft rejected 20 times:
-    its rows' acceptance at position 0 is the kind's weighing as 2 drafts, with its own 20 (0.07 here), so a step
-    of it alone drafts nothing (1.07 tokens in 0.11 s lose to 1 in 0.1 s) while a new request's step drafts 3."""
-    c = _accepting(4)
-    c.observe([3] * 20, [[0]] * 20, [False] * 20, ["code"] * 20)
-    a = c.acceptance(False)
-    own = 2 * a[0] / (2 + 20)
-    assert c.step_expected([False], ["code"])[3] == pytest.approx(1 + own + own * a[1] + own * a[1] * a[2])
-    assert c.length(1, greedy=[False], req_ids=["code"]) == 0 and c.length(1, greedy=[False], req_ids=["new"]) == 3
-    assert c.step_expected([False, False], ["code", "new"])[2] == pytest.approx(
-        (c.step_expected([False], ["code"])[2] + c.step_expected([False], ["new"])[2]) / 2)
-    c.forget(["code"])
-    assert c.step_expected([False], ["code"]) == c.step_expected([False]), "an ended request's counts go"
+    assert c.length(1, greedy=1) == 3 and c.length(1, greedy=0) == 0
+    assert c.expected_tokens(3, 0.5) == pytest.approx((c.expected_tokens(3, 1.0) + c.expected_tokens(3, 0.0)) / 2)
 
 
 def test_acceptance_forgets_old_drafts_and_after_steps_without_drafts_the_next_draft_weighs_a_third():
@@ -168,7 +152,7 @@ def test_a_length_that_could_not_pay_is_never_explored_and_a_dearer_one_that_cou
     chosen = []
     for _ in range(10 * EXPLORE_EVERY):  # as served: measured cycles (the loss budget grows with them), shared
         chosen.append(c.length(4))
-        c.record_cycle(4, chosen[-1], TIMINGS.estimate(4, chosen[-1]), c.step_expected([False])[chosen[-1]])
+        c.record_cycle(4, chosen[-1], TIMINGS.estimate(4, chosen[-1]), c.expected_tokens(chosen[-1]))
         _share(c)
     assert chosen == [0] * len(chosen)
     assert _choose(c, 8, 1) == [0] and bucket(8) != bucket(4), "buckets count their own steps"

@@ -1,37 +1,47 @@
 """The draft-length controller: each step, the length (0..k) with the most measured tokens per second.
 
-What it keeps, from what the engine did:
+Two things are kept, both from what the engine did:
 
-* **acceptance per draft position**, apart for greedy and sampled rows (by default they draft
-  differently: text, or TLI with q): of the drafts vLLM verified at position j (all before it
-  accepted), the share accepted; trimmed drafts were never offered. The counts start at 1 of 2
-  and fade with the steps served (about the last ``ACCEPTANCE_MEMORY``), never below the weight
-  of 2 drafts, so after steps without drafts the next drafts soon outweigh the estimate. Each
-  request also counts its own drafts: its rows' acceptance is the kind's estimate (weighing as 2
-  drafts) updated by them, since acceptance depends on the text.
-* **the cost of an engine cycle** (start of one propose to the start of the next) per batch-size
-  bucket (1, 2-3, 4-7, ...) and length: the start-up estimate (the target's forward at the
-  cycle's tokens, the drafter's forwards at that batch) times the median of measured/estimated
-  over the cell's last ``CYCLES_KEPT`` cycles (else its bucket's, else every bucket's). Only
-  cycles in which every request decoded count, and not a drafted cycle right after a plain one
-  (its drafter catches up on what its rows missed: the loss budget counts it).
+* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they
+  draft differently: by default greedy rows draft text, sampled rows TLI with q): of the drafts
+  vLLM scheduled for verification at position j (all before it accepted), the share accepted. A
+  request emitting ``a + 1`` tokens after ``n`` scheduled drafts had positions
+  ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget,
+  structured output) were never offered. The counts start at 1 accepted of 2 offered and fade
+  with the steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the weight of
+  2 drafts: after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
+* **the cost of an engine cycle** (one propose, the drafting it did, and the target step
+  that verified it: start of one propose to the start of the next) for each batch-size
+  bucket (1, 2-3, 4-7, ...) and length: the start-up estimate (the target's forward timed
+  at the cycle's token count, plus the drafter's forwards timed at that batch) times how far
+  such estimates were off, measured: the median of measured/estimated over the cell's last
+  ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over every
+  bucket's. Only cycles in which every request decoded are measured: a prefill costs by its
+  prompt. A drafted cycle right after a plain one is not: its drafter catches up on what its rows
+  missed, once (the loss budget below counts it).
 
-A step gets the length L maximising ``E(L) / cost(batch, L)``, ``E(L) = 1 + a_0 + a_0 a_1 + ...``
-the mean over its rows of the tokens a row is expected to emit; ties go to the shorter. Where the
-rows' drafters lack context (a new request's prompt, tokens emitted while nothing was drafted), it
-drafts only if what drafting saves over the tokens the rows have left (per max_tokens) exceeds the
-catch-up, priced as a prompt of that many tokens (timed at start-up). Now and then a step takes
-the length tried least recently (never tried first, the shorter on a tie) of plain and those that
-would beat the best were every draft accepted: in each bucket, once the steps since it last did
-number ``EXPLORE_EVERY`` times that length's cost over the best's.
+A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
+``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
+the plain step's cost; the mean over the rows, greedy and sampled). Ties go to the shorter length.
+Where the rows' drafters lack context (a new request's prompt, or tokens emitted while nothing was
+drafted), the step drafts only if what drafting saves over the tokens the rows have left (as far as
+max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
+forward timed at start-up): the drafter's prompt is paid once per request, where it pays back.
+Now and then a step takes another length, the one tried least recently (never tried first,
+the shorter on a tie) of plain and those that would beat the best were every draft accepted, so
+that a length that looked worse is measured again: in each bucket, once the steps since its last
+such step number ``EXPLORE_EVERY`` times that length's cost over the best's.
 
-**What exploring may cost is bounded** (the loss budget): every measured drafted cycle's seconds,
-less the plain cycles its tokens would have taken, add to its bucket's loss (negative: a gain); a
-bucket explores only while that loss, with the exploring step's expected loss (its catch-up
-included), stays within ``LOSS_BUDGET`` of the time its cycles took. The best length is not held
-to it (a request's first drafted step pays the catch-up before its drafts pay it back). Where
-drafting never pays, the loss is exploring's (``LOSS_BUDGET``, plus the cycles until the next
-share) and the prior's (the first few rejections: it weighs 2 drafts).
+**What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
+compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
+which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a gain
+when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
+exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
+priced as a prompt of that many tokens, as timed at start-up), stays within
+``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget (a
+request's first drafted step pays the catch-up before its drafts pay it back). Where drafting
+never pays, the loss is exploring's (at most ``LOSS_BUDGET`` of the served time, plus what the
+cycles until the next share lose) and the prior's (the first few rejections: it weighs 2 drafts).
 
 Tensor parallelism: acceptance comes from the tokens every rank samples alike, the step counts
 are alike, and the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's one
@@ -44,8 +54,6 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
-
-import numpy as np
 
 ACCEPTANCE_MEMORY = 256  # steps over which a draft's outcome counts (older ones fade)
 ACCEPTANCE_PRIOR = (1.0, 2.0)  # (accepted, offered) at each position before any draft was verified; the least weight
@@ -95,27 +103,12 @@ class StartupTimings:
         return max(interpolate(self.target, batch * (1 + length)) + length * drafter, 1e-9)
 
     def catch_up(self, tokens: int) -> float:
-        """The drafter's catch-up on ``tokens`` missed tokens: a prompt of that many (not timed: a one-token step of
-        that many rows, an overstatement); 0 where the target or the drafter was not timed (no unit to price in)."""
+        """The drafter's forward over ``tokens`` missed tokens, priced as a prompt of that many (without
+        that timing, as a one-token step of that many rows, which overstates it); 0 where the target or
+        the drafter was not timed (there is no unit to price it in)."""
         if tokens <= 0 or not self.target or not self.drafter:
             return 0.0
         return interpolate(self.drafter_prefill or self.drafter, tokens)
-
-
-def _count(accepted: list[float], offered: list[float], scheduled: int, num_accepted: int) -> None:
-    """Positions 0..min(num_accepted, scheduled - 1) offered, 0..num_accepted - 1 accepted."""
-    for j in range(min(num_accepted + 1, scheduled)):
-        offered[j] += 1.0
-        accepted[j] += float(j < num_accepted)
-
-
-def _cumulative(rates: Sequence[float]) -> list[float]:
-    """E(0..k): 1, 1 + a_0, 1 + a_0 + a_0 a_1, ..."""
-    out, reach = [1.0], 1.0
-    for rate in rates:
-        reach *= rate
-        out.append(out[-1] + reach)
-    return out
 
 
 class _Acceptance:
@@ -137,7 +130,9 @@ class _Acceptance:
 
     def add(self, step: int, scheduled: int, num_accepted: int) -> None:
         self._fade_to(step)
-        _count(self.accepted, self.offered, scheduled, num_accepted)
+        for j in range(min(num_accepted + 1, scheduled)):
+            self.offered[j] += 1.0
+            self.accepted[j] += float(j < num_accepted)
 
     def rates(self, step: int) -> list[float]:
         self._fade_to(step)
@@ -154,11 +149,12 @@ class DraftLengthController:
         self.share_every = share_every
         self.timings = timings or StartupTimings()
         self._acceptance = {True: _Acceptance(k), False: _Acceptance(k)}  # greedy rows', sampled rows'
-        self._own: dict[str, tuple[list[float], list[float]]] = {}  # req_id -> its own (accepted, offered)
-        self._expected: dict[int, list[float]] = {}  # bucket -> E(0..k) at its last step
+        self._greedy_share: dict[int, float] = {}  # bucket -> the share of greedy rows at its last step
         self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
-        self._tried_at: dict[tuple[int, int], int] = {}  # (bucket, length) -> the step of its last cycle
-        self.shared: dict[tuple[int, int], tuple[float, int]] = {}  # -> (median ratio, cycles): rank 0's
+        # (bucket, length) -> the step of its last cycle (alike on every rank: steps and lengths are)
+        self._tried_at: dict[tuple[int, int], int] = {}
+        # (bucket, length) -> (median ratio, cycles kept): rank 0's, as last shared
+        self.shared: dict[tuple[int, int], tuple[float, int]] = {}
         self.best: dict[int, int] = {}  # bucket -> the best length at its last step (exploring aside)
         self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
@@ -169,20 +165,11 @@ class DraftLengthController:
         self._previous_length: int | None = None  # the last measured cycle's
 
     # -- what the engine did ---------------------------------------------------------------------
-    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool],
-                req_ids: Sequence[str] = ()) -> None:
-        """Row i (request ``req_ids[i]``, ``greedy[i]``) had ``scheduled[i]`` drafts verified, emitted ``sampled[i]``."""
-        for i, (n, tokens, g) in enumerate(zip(scheduled, sampled, greedy)):
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
+        """Row i (greedy or not: ``greedy[i]``) had ``scheduled[i]`` drafts verified and emitted ``sampled[i]``."""
+        for n, tokens, g in zip(scheduled, sampled, greedy):
             if n and tokens:
-                accepted = min(len(tokens) - 1, n)
-                self._acceptance[bool(g)].add(self._steps, n, accepted)
-                if i < len(req_ids):
-                    _count(*self._own.setdefault(req_ids[i], ([0.0] * self.k, [0.0] * self.k)), n, accepted)
-
-    def forget(self, req_ids) -> None:
-        """Requests that ended: their own counts go."""
-        for req_id in req_ids:
-            self._own.pop(req_id, None)
+                self._acceptance[bool(g)].add(self._steps, n, min(len(tokens) - 1, n))
 
     def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
         """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock), whose rows
@@ -216,24 +203,17 @@ class DraftLengthController:
         """The estimated acceptance at each draft position, of greedy rows or of sampled ones."""
         return self._acceptance[greedy].rates(self._steps)
 
-    def step_expected(self, greedy: Sequence[bool], req_ids: Sequence[str] = ()) -> list[float]:
-        """E(0..k) for a step: the mean over its rows; a row's acceptance is its kind's (greedy or sampled),
-        updated by its own request's drafts (the kind's estimate weighing as the prior's 2 drafts)."""
-        if not len(greedy):
-            return _cumulative(self.acceptance(False))
-        totals, plain = [0.0] * (self.k + 1), {True: int(np.count_nonzero(greedy)), False: 0}
-        plain[False] = len(greedy) - plain[True]
-        for i, req_id in enumerate(req_ids if self._own else ()):  # rows whose requests drafted
-            own = self._own.get(req_id)
-            if own is not None:
-                g, weight = bool(greedy[i]), ACCEPTANCE_PRIOR[1]
-                rates = [(weight * r + a) / (weight + o) for r, a, o in zip(self.acceptance(g), *own)]
-                totals = [t + e for t, e in zip(totals, _cumulative(rates))]
-                plain[g] -= 1
-        for g, rows in plain.items():
-            if rows:
-                totals = [t + rows * e for t, e in zip(totals, _cumulative(self.acceptance(g)))]
-        return [t / len(greedy) for t in totals]
+    def expected_tokens(self, length: int, greedy_share: float = 0.0) -> float:
+        """Tokens a row is expected to emit in a cycle drafting ``length``, a ``greedy_share`` of the rows greedy."""
+        total = 0.0
+        for greedy, share in ((True, greedy_share), (False, 1.0 - greedy_share)):
+            if share > 0:
+                tokens, reach = 1.0, 1.0
+                for rate in self.acceptance(greedy)[:length]:
+                    reach *= rate
+                    tokens += reach
+                total += share * tokens
+        return total
 
     def cost(self, batch: int, length: int) -> float:
         """Seconds of a cycle: the start-up estimate, scaled as measured (see the module's docstring)."""
@@ -244,23 +224,22 @@ class DraftLengthController:
             cell = (statistics.median(same_bucket or [cell[0] for cell in self.shared.values()] or [1.0]),)
         return self.timings.estimate(batch, length) * max(cell[0], 1e-9)
 
-    def rates(self, batch: int, expected: Sequence[float] | None = None) -> list[float]:
-        """Expected tokens per second per row at each length 0..k (``expected``: E(0..k), sampled rows' if None)."""
-        expected = expected or _cumulative(self.acceptance(False))
-        return [expected[n] / self.cost(batch, n) for n in range(self.k + 1)]
+    def rates(self, batch: int, greedy_share: float = 0.0) -> list[float]:
+        """Expected tokens per second per row at each length 0..k."""
+        return [self.expected_tokens(n, greedy_share) / self.cost(batch, n) for n in range(self.k + 1)]
 
     def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
-               greedy: Sequence[bool] = (), req_ids: Sequence[str] = ()) -> int:
-        """This step's length for every row of a ``batch``-row step (each greedy or not, of request ``req_ids[i]``;
-        none given: sampled rows without requests of their own): its best where
+               greedy: int = 0) -> int:
+        """This step's length for every row of a ``batch``-row step, ``greedy`` of them greedy: its best where
         drafting from now on pays the drafter's catch-up back, or now and then the length tried least
         recently, where the bucket's loss budget covers it. ``catch_up()``: (the tokens the rows' drafter
         contexts lack beyond what a drafted step feeds anyway, the tokens the rows have left on average),
         asked where a step would draft (a loop over the rows)."""
         b = bucket(batch)
-        expected = self._expected[b] = self.step_expected(greedy, req_ids)
-        rates = self.rates(batch, expected)
+        share = self._greedy_share[b] = min(greedy / batch, 1.0) if batch > 0 else 0.0
+        rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
+        # worth measuring again: plain (its cost), and lengths that would beat the best were every draft accepted
         other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) / self.cost(batch, n)
                                                                     > rates[best])),
                     key=lambda n: (self._tried_at.get((b, n), -1), n), default=best)
@@ -268,24 +247,24 @@ class DraftLengthController:
         chosen, outlook = best, None
         if best:
             outlook = catch_up()
-            if not self._catch_up_pays(batch, best, expected[best], *outlook):
+            if not self._catch_up_pays(batch, best, share, *outlook):
                 chosen = 0
         due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
         if due and other not in (chosen, best):
             spent = self._spent(b)
             # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
-            if not other or (spent + self._exploring_loss(batch, other, 0, expected[other]) <= 0 and spent
-                             + self._exploring_loss(batch, other, (outlook or catch_up())[0], expected[other]) <= 0):
+            if not other or (spent + self._exploring_loss(batch, other, 0, share) <= 0
+                             and spent + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
                 self._since_explore[b], chosen = 0, other
         self.current[b] = chosen
         return chosen
 
-    def _catch_up_pays(self, batch: int, length: int, tokens: float, missed: int, left: float) -> bool:
+    def _catch_up_pays(self, batch: int, length: int, greedy_share: float, missed: int, left: float) -> bool:
         """Whether drafting ``length`` from now on saves more over the ``left`` tokens each row has left (a plain
         cycle each, or a drafted cycle per E(length)) than the drafter's catch-up on ``missed`` costs first."""
         if not missed:
             return True
-        saved_per_token = self.cost(batch, 0) - self.cost(batch, length) / tokens
+        saved_per_token = self.cost(batch, 0) - self.cost(batch, length) / self.expected_tokens(length, greedy_share)
         return left * saved_per_token > self.timings.catch_up(missed)
 
     def _spent(self, b: int) -> float:
@@ -293,16 +272,17 @@ class DraftLengthController:
         loss, served = self.shared_loss.get(b, (0.0, 0.0))
         return loss - LOSS_BUDGET * served
 
-    def _exploring_loss(self, batch: int, length: int, missed: int, tokens: float) -> float:
+    def _exploring_loss(self, batch: int, length: int, missed: int, greedy_share: float) -> float:
         """What one step at ``length`` is expected to lose against the target alone (0 if it gains), the
         drafter's catch-up on ``missed`` tokens included."""
         cost = self.cost(batch, length) + self.timings.catch_up(missed)
-        return max(cost - tokens * self.cost(batch, 0), 0.0)
+        return max(cost - self.expected_tokens(length, greedy_share) * self.cost(batch, 0), 0.0)
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
     def _best(self, batch: int) -> tuple[int, float]:
-        """(the best length at ``batch``, its expected speed-up over no drafts, for its bucket's last rows)."""
-        rates = self.rates(batch, self._expected.get(bucket(batch)))
+        """(the best length at ``batch``, its expected speed-up over no drafts, at its bucket's last share of
+        greedy rows), without exploring."""
+        rates = self.rates(batch, self._greedy_share.get(bucket(batch), 0.0))
         best = max(range(1, self.k + 1), key=lambda n: (rates[n], -n))
         return best, rates[best] / rates[0]
 
@@ -321,13 +301,17 @@ class DraftLengthController:
         for b, length in sorted(self.current.items()):
             batch = 1 << b
             best, gain = self._best(batch)
-            plain = batch / self.cost(batch, 0)
+            plain = self.expected_tokens(0) / self.cost(batch, 0) * batch
             measured = "measured" if any(cb == b for cb, _ in self.shared) else "start-up estimate"
             lines.append(f"batch {bucket_label(b)}: length {length} last; best {best if gain > 1 else 0} "
-                         f"({gain:.2f}x of {plain:.1f} tok/s without drafts at {best}, {measured}), acceptance "
-                         + "; ".join(f"{kind} " + "/".join(f"{a:.2f}" for a in rates)
-                                     for kind, rates in self.state()["acceptance"].items()))
+                         f"({gain:.2f}x of {plain:.1f} tok/s without drafts at {best}, {measured}; "
+                         f"{self._greedy_share[b]:.0%} of rows greedy), acceptance {self.acceptance_line()}")
         return lines
+
+    def acceptance_line(self) -> str:
+        """Greedy rows' and sampled rows' acceptance per position, in one line."""
+        return "; ".join(f"{name} " + "/".join(f"{a:.2f}" for a in self.acceptance(greedy))
+                         for name, greedy in (("greedy", True), ("sampled", False)))
 
     def lengths(self) -> dict[str, int]:
         """The best length of each batch-size bucket at its last step (exploring aside)."""
@@ -345,14 +329,26 @@ class DraftLengthController:
                                     "drafter_prefill": list(self.timings.drafter_prefill)}}
 
 
-class FixedLength(DraftLengthController):
-    """``adaptive_length: false``: every step drafts k (what is counted is not used, nor shared)."""
+class FixedLength:
+    """``adaptive_length: false``: every step drafts k."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
+        pass
+
+    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
+        pass
 
     def share_due(self) -> None:
         return None
 
+    def take_shared(self, shared: dict) -> None:
+        pass
+
     def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
-               greedy: Sequence[bool] = (), req_ids: Sequence[str] = ()) -> int:
+               greedy: int = 0) -> int:
         return self.k
 
     def outlook(self, batches: Sequence[int]) -> str:

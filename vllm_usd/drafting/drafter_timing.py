@@ -43,14 +43,18 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
 
 
 def time_drafter_prefill(runtime: DrafterRuntime, token_ids: Sequence[int], *,
-                         lengths: Sequence[int] = (CONTEXT_TOKENS, 4 * CONTEXT_TOKENS),
-                         clock: Callable[[], float] | None = None) -> tuple[tuple[int, float], ...]:
-    """(prompt tokens, median seconds of a new request's first forward over them) at each of ``lengths`` the
-    runtime holds, never falling as the prompt grows; a fresh request each time."""
+                         lengths: Sequence[int] = (CONTEXT_TOKENS, 4 * CONTEXT_TOKENS), clock: Callable[[], float] | None = None,
+                         ) -> tuple[tuple[int, float], ...]:
+    """(prompt tokens, median seconds of a new request's first forward over them) at each of ``lengths``
+    the runtime holds, never falling as the prompt grows; a fresh request each time."""
+    if not token_ids:
+        raise ValueError("time_drafter_prefill needs at least one drafter token id")
     points: list[tuple[int, float]] = []
-    req_id = f"{_REQUEST_PREFIX}prefill"
-    for length in (n for n in sorted(set(lengths)) if n <= runtime.max_len):
+    for length in sorted(set(lengths)):
+        if length > runtime.max_len:
+            break
         prompt = [token_ids[i % len(token_ids)] for i in range(length)]
+        req_id = f"{_REQUEST_PREFIX}prefill-{length}"
 
         def first_forward() -> None:
             runtime.free(req_id)

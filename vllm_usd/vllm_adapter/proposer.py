@@ -101,7 +101,7 @@ class UniversalProposer:
         ) if drafts_text else None
         self.vllm_config = vllm_config
         # timed in load_model; until then (and without adaptive_length) the controller prices nothing
-        self.controller: DraftLengthController = (
+        self.controller: DraftLengthController | FixedLength = (
             DraftLengthController(self.k) if cfg.adaptive_length else FixedLength(self.k))
         self.startup_line = ""  # load_model's one line (stats()["startup"])
         self._length = 0  # the length the current step's rows got (the next cycle's key)
@@ -180,8 +180,8 @@ class UniversalProposer:
         """What the user reads at start-up (and ``doctor --target`` prints): the drafter's runtime, format
         and batch-1 step, a batch-1 cycle with and without drafts, and where drafting is expected to pay."""
         drafter = f"vllm-usd: drafter on {self.choice.runtime} ({self.choice.dtype})"
-        timings = self.controller.timings
-        if not self.config.adaptive_length:  # nothing was timed
+        timings = getattr(self.controller, "timings", None)
+        if timings is None:  # adaptive_length false: nothing was timed
             return f"{drafter}; {self.controller.outlook(())}"
         drafter_ms = f"{timings.drafter[0][1] * 1e3:.1f} ms" if timings.drafter else "not timed"
         cycle_ms = [f"{timings.estimate(1, n) * 1e3:.1f} ms" if timings.target else "not timed" for n in (0, self.k)]
@@ -287,27 +287,27 @@ class UniversalProposer:
         return this step's length (and what failed, if anything: the step then drafts nothing, on every
         rank). Every rank chooses alike: from what every rank sees, and rank 0's costs as last shared. A
         step whose rows do not ``fit`` the q buffer (usd.drafter_max_num_seqs) drafts nothing."""
-        so, controller, runner, failure = self._scheduler_output, self.controller, self._runner, None
+        so, controller, failure = self._scheduler_output, self.controller, None
         try:
             if self._last_start is not None and compat.decode_step_tokens(so) is not None:
                 emitted = [len(s) for s in sampled_token_ids if s]
                 controller.record_cycle(batch, self._length, started - self._last_start,
                                         sum(emitted) / len(emitted) if emitted else None)
-            if runner is not None:
-                req_ids = compat.runner_req_ids(runner)
-                greedy = compat.runner_greedy_rows(runner, len(sampled_token_ids))
-                controller.forget(compat.scheduler_gone_req_ids(so))
-                controller.observe(compat.scheduled_drafts(so, req_ids), sampled_token_ids, greedy, req_ids)
+            greedy = compat.runner_greedy_rows(self._runner, len(sampled_token_ids)) if self._runner is not None else []
+            if self._runner is not None:
+                controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)),
+                                   sampled_token_ids, greedy)
         except Exception as exc:  # noqa: BLE001 - counted as the step's failure; the vote must still happen
             failure = exc
         self._last_start = started
         self._length = 0
-        if failure is None and batch and fits and runner is not None:
+        if failure is None and batch and fits:
             try:
-                decoding = [i for i, s in enumerate(sampled_token_ids) if s]  # the rows that emitted tokens
+                runner = self._runner
                 self._length = controller.length(batch, lambda: self.requests.catch_up_outlook(
-                    req_ids, sampled_token_ids, num_tokens, lambda req_id: compat.request_sampling(runner, req_id)),
-                    greedy[decoding], [req_ids[i] for i in decoding])
+                    compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
+                    lambda req_id: compat.request_sampling(runner, req_id)) if runner is not None else (0, 0.0),
+                    greedy=int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
