@@ -28,8 +28,8 @@ drafted), the step drafts only if what drafting saves over the tokens the rows h
 max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
 forward timed at start-up): the drafter's prompt is paid once per request, where it pays back.
 Now and then a step takes another length, the one tried least recently (never tried first,
-the shorter on a tie) of plain and those that would beat the best were every draft accepted, so
-that a length that looked worse is measured again: in each bucket, once the steps since its last
+the shorter on a tie) of plain and those that would beat plain at the start-up estimate were every
+draft accepted, so that a length that looked worse is measured again: in each bucket, once the steps since its last
 such step number ``EXPLORE_EVERY`` times that length's cost over the best's.
 
 **What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
@@ -239,9 +239,9 @@ class DraftLengthController:
         share = self._greedy_share[b] = min(greedy / batch, 1.0) if batch > 0 else 0.0
         rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
-        # worth measuring again: plain (its cost), and lengths that would beat the best were every draft accepted
-        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) / self.cost(batch, n)
-                                                                    > rates[best])),
+        # not at measured costs: a length once mismeasured would never be measured again
+        est = self.timings.estimate
+        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) * est(batch, 0) > est(batch, n))),
                     key=lambda n: (self._tried_at.get((b, n), -1), n), default=best)
         self._since_explore[b] += 1
         chosen, outlook = best, None
