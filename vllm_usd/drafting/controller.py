@@ -27,8 +27,7 @@ forward timed at start-up): the drafter's prompt is paid once per request, where
 Now and then a step takes the length tried least recently (never first, the shorter on a tie) of
 plain and those that would beat plain at the start-up estimate were every draft accepted, so that
 a length that looked worse is measured again: in each bucket, once the steps since its last such
-step number ``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length explored
-after a plain step is taken twice: the first cycle pays the catch-up, the second is measured.
+step number ``EXPLORE_EVERY`` times that length's cost over the best's.
 
 **What exploring may cost is bounded** (the loss budget). A measured drafted cycle took ``seconds``
 and its rows emitted ``t`` tokens each, which plain cycles would have taken ``t x cost(batch, 0)``
@@ -59,15 +58,13 @@ SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
 LOSS_BUDGET = 0.02  # exploring may cost a bucket this share of its served time over the target alone
 
 
-Bucket = tuple[int, bool]  # (batch sizes 1, 2-3, 4-7, ...: 0, 1, 2, ...; every row greedy)
-
-
-def bucket(batch: int, all_greedy: bool = False) -> Bucket:
-    """A batch's bucket: apart where every row is greedy (vLLM's samplers skip their whole-vocabulary work)."""
+def bucket(batch: int, all_greedy: bool = False) -> tuple[int, bool]:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (0, 1, 2, 3, ...), apart where every row is greedy
+    (vLLM's samplers then skip their probabilities over the whole vocabulary)."""
     return max(int(batch), 1).bit_length() - 1, bool(all_greedy)
 
 
-def bucket_label(b: Bucket, kind: bool = True) -> str:
+def bucket_label(b: tuple[int, bool], kind: bool = True) -> str:
     sizes = "1" if b[0] == 0 else f"{1 << b[0]}-{(2 << b[0]) - 1}"
     return sizes + (" greedy" if b[1] else " sampled") * kind
 
@@ -148,20 +145,19 @@ class DraftLengthController:
         self.share_every = share_every
         self.timings = timings or StartupTimings()
         self._acceptance = {True: _Acceptance(k), False: _Acceptance(k)}  # greedy rows', sampled rows'
-        self._greedy_share: dict[Bucket, float] = {}  # bucket -> the share of greedy rows at its last step
-        self._ratios: dict[tuple[Bucket, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
+        self._greedy_share: dict[int, float] = {}  # bucket -> the share of greedy rows at its last step
+        self._ratios: dict[tuple[int, int], deque[float]] = defaultdict(lambda: deque(maxlen=CYCLES_KEPT))
         # (bucket, length) -> the step of its last cycle (alike on every rank: steps and lengths are)
-        self._tried_at: dict[tuple[Bucket, int], int] = {}
+        self._tried_at: dict[tuple[int, int], int] = {}
         # (bucket, length) -> (median ratio, cycles kept): rank 0's, as last shared
-        self.shared: dict[tuple[Bucket, int], tuple[float, int]] = {}
-        self.best: dict[Bucket, int] = {}  # bucket -> the best length at its last step (exploring aside)
-        self._since_explore: dict[Bucket, int] = defaultdict(int)  # bucket -> steps since it last explored
-        self._measuring: dict[Bucket, int] = {}  # bucket -> a drafted length explored after a plain step, to take again
-        self.current: dict[Bucket, int] = {}  # bucket -> the length its last step got
+        self.shared: dict[tuple[int, int], tuple[float, int]] = {}
+        self.best: dict[int, int] = {}  # bucket -> the best length at its last step (exploring aside)
+        self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
+        self.current: dict[int, int] = {}  # bucket -> the length its last step got
         self._steps = 0
         # bucket -> [seconds drafted cycles took beyond the target alone (negative: gained), seconds served]
-        self._loss: dict[Bucket, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        self.shared_loss: dict[Bucket, tuple[float, float]] = {}  # rank 0's, as last shared
+        self._loss: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.shared_loss: dict[int, tuple[float, float]] = {}  # rank 0's, as last shared
         self._previous_length: int | None = None  # the last measured cycle's
 
     # -- what the engine did ---------------------------------------------------------------------
@@ -254,18 +250,12 @@ class DraftLengthController:
             if not self._catch_up_pays(batch, best, share, *outlook):
                 chosen = 0
         due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other, share) / self.cost(batch, best, share)
-        again = self._measuring.pop(b, None)
-        if again and not chosen:
-            chosen = again
-        elif due and other not in (chosen, best):
-            spent, steps = self._spent(b), 2 if other and not chosen else 1
-            step_loss = self._exploring_loss(batch, other, 0, share)
-            # the rows' missed tokens (a loop over them) are counted only where the steps alone are affordable
-            if not other or (spent + steps * step_loss <= 0 and spent + (steps - 1) * step_loss
-                             + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
+        if due and other not in (chosen, best):
+            spent = self._spent(b)
+            # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
+            if not other or (spent + self._exploring_loss(batch, other, 0, share) <= 0
+                             and spent + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
                 self._since_explore[b], chosen = 0, other
-                if steps == 2:
-                    self._measuring[b] = other
         self.current[b] = chosen
         return chosen
 
@@ -290,7 +280,7 @@ class DraftLengthController:
         return max(cost - self.expected_tokens(length, greedy_share) * self.cost(batch, 0, greedy_share), 0.0)
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
-    def _best(self, b: Bucket) -> tuple[int, float]:
+    def _best(self, b: tuple[int, bool]) -> tuple[int, float]:
         """(the best length in bucket ``b``, its expected speed-up over no drafts, at the bucket's last share
         of greedy rows), without exploring."""
         rates = self.rates(1 << b[0], self._greedy_share.get(b, float(b[1])))
@@ -299,10 +289,12 @@ class DraftLengthController:
 
     def outlook(self, batches: Sequence[int]) -> str:
         """One line: at which batch sizes drafting is expected to pay (sampled rows), and by how much."""
-        verdicts = {b: self._best(b) for b in sorted(set(bucket(x) for x in batches))}
-        return "drafting pays at batch " + "; ".join(
-            f"{bucket_label(b, kind=False)}: " + (f"yes, {n} drafts {gain:.2f}x" if gain > 1 else f"no ({n} drafts {gain:.2f}x)")
-            for b, (n, gain) in verdicts.items())
+        parts = []
+        for b in sorted(set(bucket(x) for x in batches)):
+            best, gain = self._best(b)
+            parts.append(f"{bucket_label(b, kind=False)}: " + (f"yes, {best} drafts {gain:.2f}x" if gain > 1 else
+                                                   f"no ({best} drafts {gain:.2f}x)"))
+        return "drafting pays at batch " + "; ".join(parts)
 
     def summary(self) -> list[str]:
         """One line per batch-size bucket served: the length chosen, and the expected tokens/s behind it."""
@@ -342,10 +334,18 @@ class FixedLength:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def _nothing(self, *args, **kwargs) -> None:
-        """Nothing to learn or to share: k is fixed."""
+    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
+        pass
 
-    observe = record_cycle = share_due = take_shared = _nothing
+    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None,
+                     greedy: int = 0) -> None:
+        pass
+
+    def share_due(self) -> None:
+        return None
+
+    def take_shared(self, shared: dict) -> None:
+        pass
 
     def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
                greedy: int = 0) -> int:
