@@ -2,20 +2,23 @@
 
 Two things are kept, both from what the engine did:
 
-* **acceptance per draft position**, apart for greedy rows (by default they draft text) and sampled
-  ones (TLI with q): of the drafts vLLM verified at position j, the share accepted (a row emitting
-  ``a + 1`` tokens after ``n`` drafts had positions ``0..min(a, n - 1)`` offered, ``0..a - 1``
-  accepted; drafts vLLM trimmed were never offered). The counts start at 1 of 2 and fade with the
-  steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the weight of 2 drafts:
-  after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
-* **the cost of an engine cycle** (one propose, the drafting it did, and the target step that
-  verified it: start of one propose to the start of the next) per bucket and length. A bucket is
-  batch sizes 1, 2-3, 4-7, ..., apart where every row is greedy (vLLM then skips its samplers' work
-  over the whole vocabulary, which a drafted sampled step pays k + 1 times). The cost is the start-up
-  estimate (the target's forward timed at the cycle's token count, plus the drafter's forwards timed
-  at that batch) times the median of measured/estimated over the cell's last ``CYCLES_KEPT``
-  cycles, or its bucket's, or every bucket's. Only cycles in which every request decoded are
-  measured, and not a drafted cycle right after a plain one (a one-off catch-up: the budget's).
+* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they
+  draft differently: by default greedy rows draft text, sampled rows TLI with q): of the drafts
+  vLLM scheduled for verification at position j (all before it accepted), the share accepted. A
+  request emitting ``a + 1`` tokens after ``n`` scheduled drafts had positions
+  ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget,
+  structured output) were never offered. The counts start at 1 accepted of 2 offered and fade
+  with the steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the weight of
+  2 drafts: after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
+* **the cost of an engine cycle** (one propose, the drafting it did, and the target step
+  that verified it: start of one propose to the start of the next) for each batch-size
+  bucket (1, 2-3, 4-7, ...) and length: the start-up estimate (the target's forward timed
+  at the cycle's token count, plus the drafter's forwards timed at that batch) times how far
+  such estimates were off, measured: the median of measured/estimated over the cell's last
+  ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over every
+  bucket's. Only cycles in which every request decoded are measured: a prefill costs by its
+  prompt. A drafted cycle right after a plain one is not: its drafter catches up on what its rows
+  missed, once (the loss budget below counts it).
 
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
@@ -24,16 +27,18 @@ Where the rows' drafters lack context (a new request's prompt, or tokens emitted
 drafted), the step drafts only if what drafting saves over the tokens the rows have left (as far as
 max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
 forward timed at start-up): the drafter's prompt is paid once per request, where it pays back.
-Now and then a step takes the length tried least recently (never first, the shorter on a tie) of
-plain and those that would beat plain at the start-up estimate were every draft accepted, so that
-a length that looked worse is measured again: in each bucket, once the steps since its last such
-step number ``EXPLORE_EVERY`` times that length's cost over the best's.
+Now and then a step takes another length, the one tried least recently (never tried first,
+the shorter on a tie) of plain and those that would beat plain at the start-up estimate were every
+draft accepted, so that a length that looked worse is measured again: in each bucket, once the steps since its last
+such step number ``EXPLORE_EVERY`` times that length's cost over the best's.
 
-**What exploring may cost is bounded** (the loss budget). A measured drafted cycle took ``seconds``
-and its rows emitted ``t`` tokens each, which plain cycles would have taken ``t x cost(batch, 0)``
-to emit; the difference (a gain when negative) adds to its bucket's loss. A bucket explores only
-while its loss, with what the exploring step is expected to lose (its rows' catch-up included),
-stays within ``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget (a
+**What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
+compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
+which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a gain
+when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
+exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
+priced as a prompt of that many tokens, as timed at start-up), stays within
+``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget (a
 request's first drafted step pays the catch-up before its drafts pay it back). Where drafting
 never pays, the loss is exploring's (at most ``LOSS_BUDGET`` of the served time, plus what the
 cycles until the next share lose) and the prior's (the first few rejections: it weighs 2 drafts).
@@ -58,15 +63,13 @@ SHARE_EVERY = 8  # steps between broadcasts of rank 0's measured costs
 LOSS_BUDGET = 0.02  # exploring may cost a bucket this share of its served time over the target alone
 
 
-def bucket(batch: int, all_greedy: bool = False) -> tuple[int, bool]:
-    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (0, 1, 2, 3, ...), apart where every row is greedy
-    (vLLM's samplers then skip their probabilities over the whole vocabulary)."""
-    return max(int(batch), 1).bit_length() - 1, bool(all_greedy)
+def bucket(batch: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, 8-15, ... share a bucket (0, 1, 2, 3, ...)."""
+    return max(int(batch), 1).bit_length() - 1
 
 
-def bucket_label(b: tuple[int, bool], kind: bool = True) -> str:
-    sizes = "1" if b[0] == 0 else f"{1 << b[0]}-{(2 << b[0]) - 1}"
-    return sizes + (" greedy" if b[1] else " sampled") * kind
+def bucket_label(b: int) -> str:
+    return "1" if b == 0 else f"{1 << b}-{(2 << b) - 1}"
 
 
 def interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
@@ -77,7 +80,8 @@ def interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
     for (x0, t0), (x1, t1) in zip(points, points[1:]):
         if x <= x1:
             return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
-    return points[-1][1] * x / points[-1][0]
+    last_x, last = points[-1]
+    return last * x / last_x
 
 
 @dataclass(frozen=True)
@@ -167,22 +171,19 @@ class DraftLengthController:
             if n and tokens:
                 self._acceptance[bool(g)].add(self._steps, n, min(len(tokens) - 1, n))
 
-    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None,
-                     greedy: int = 0) -> None:
-        """A measured cycle of ``batch`` decoding rows (``greedy`` of them greedy) that drafted ``length`` (this
-        rank's clock), whose rows emitted ``tokens_per_row`` tokens on average (a drafted cycle without it is
-        not held to the budget)."""
+    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
+        """A measured cycle of ``batch`` decoding rows that drafted ``length`` (this rank's clock), whose rows
+        emitted ``tokens_per_row`` tokens on average (a drafted cycle without it is not held to the budget)."""
         previous, self._previous_length = self._previous_length, length
         if batch > 0 and seconds > 0:
-            share = min(greedy / batch, 1.0)
-            cell = (bucket(batch, share == 1.0), length)
+            cell = (bucket(batch), length)
             self._tried_at[cell] = self._steps
             if not (length and previous == 0):  # a first drafted cycle pays a one-off catch-up: the budget's
                 self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
             loss = self._loss[cell[0]]
             loss[1] += seconds
             if length and tokens_per_row:
-                loss[0] += seconds - tokens_per_row * self.cost(batch, 0, share)
+                loss[0] += seconds - tokens_per_row * self.cost(batch, 0)
 
     def share_due(self) -> dict | None:
         """Called once per step on every rank: this rank's measured costs and losses every ``share_every``
@@ -214,9 +215,9 @@ class DraftLengthController:
                 total += share * tokens
         return total
 
-    def cost(self, batch: int, length: int, greedy_share: float = 0.0) -> float:
+    def cost(self, batch: int, length: int) -> float:
         """Seconds of a cycle: the start-up estimate, scaled as measured (see the module's docstring)."""
-        b = bucket(batch, greedy_share >= 1.0)
+        b = bucket(batch)
         cell = self.shared.get((b, length))
         if cell is None:
             same_bucket = [cell[0] for (cb, _), cell in self.shared.items() if cb == b]
@@ -225,7 +226,7 @@ class DraftLengthController:
 
     def rates(self, batch: int, greedy_share: float = 0.0) -> list[float]:
         """Expected tokens per second per row at each length 0..k."""
-        return [self.expected_tokens(n, greedy_share) / self.cost(batch, n, greedy_share) for n in range(self.k + 1)]
+        return [self.expected_tokens(n, greedy_share) / self.cost(batch, n) for n in range(self.k + 1)]
 
     def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
                greedy: int = 0) -> int:
@@ -234,9 +235,8 @@ class DraftLengthController:
         recently, where the bucket's loss budget covers it. ``catch_up()``: (the tokens the rows' drafter
         contexts lack beyond what a drafted step feeds anyway, the tokens the rows have left on average),
         asked where a step would draft (a loop over the rows)."""
-        share = min(greedy / batch, 1.0) if batch > 0 else 0.0
-        b = bucket(batch, share == 1.0)
-        self._greedy_share[b] = share
+        b = bucket(batch)
+        share = self._greedy_share[b] = min(greedy / batch, 1.0) if batch > 0 else 0.0
         rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         # not at measured costs: a length once mismeasured would never be measured again
@@ -249,7 +249,7 @@ class DraftLengthController:
             outlook = catch_up()
             if not self._catch_up_pays(batch, best, share, *outlook):
                 chosen = 0
-        due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other, share) / self.cost(batch, best, share)
+        due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
         if due and other not in (chosen, best):
             spent = self._spent(b)
             # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
@@ -264,8 +264,7 @@ class DraftLengthController:
         cycle each, or a drafted cycle per E(length)) than the drafter's catch-up on ``missed`` costs first."""
         if not missed:
             return True
-        saved_per_token = (self.cost(batch, 0, greedy_share)
-                           - self.cost(batch, length, greedy_share) / self.expected_tokens(length, greedy_share))
+        saved_per_token = self.cost(batch, 0) - self.cost(batch, length) / self.expected_tokens(length, greedy_share)
         return left * saved_per_token > self.timings.catch_up(missed)
 
     def _spent(self, b: int) -> float:
@@ -276,23 +275,23 @@ class DraftLengthController:
     def _exploring_loss(self, batch: int, length: int, missed: int, greedy_share: float) -> float:
         """What one step at ``length`` is expected to lose against the target alone (0 if it gains), the
         drafter's catch-up on ``missed`` tokens included."""
-        cost = self.cost(batch, length, greedy_share) + self.timings.catch_up(missed)
-        return max(cost - self.expected_tokens(length, greedy_share) * self.cost(batch, 0, greedy_share), 0.0)
+        cost = self.cost(batch, length) + self.timings.catch_up(missed)
+        return max(cost - self.expected_tokens(length, greedy_share) * self.cost(batch, 0), 0.0)
 
     # -- for stats, logs and doctor ---------------------------------------------------------------
-    def _best(self, b: tuple[int, bool]) -> tuple[int, float]:
-        """(the best length in bucket ``b``, its expected speed-up over no drafts, at the bucket's last share
-        of greedy rows), without exploring."""
-        rates = self.rates(1 << b[0], self._greedy_share.get(b, float(b[1])))
+    def _best(self, batch: int) -> tuple[int, float]:
+        """(the best length at ``batch``, its expected speed-up over no drafts, at its bucket's last share of
+        greedy rows), without exploring."""
+        rates = self.rates(batch, self._greedy_share.get(bucket(batch), 0.0))
         best = max(range(1, self.k + 1), key=lambda n: (rates[n], -n))
         return best, rates[best] / rates[0]
 
     def outlook(self, batches: Sequence[int]) -> str:
-        """One line: at which batch sizes drafting is expected to pay (sampled rows), and by how much."""
+        """One line: at which batch sizes drafting is expected to pay, and by how much."""
         parts = []
         for b in sorted(set(bucket(x) for x in batches)):
-            best, gain = self._best(b)
-            parts.append(f"{bucket_label(b, kind=False)}: " + (f"yes, {best} drafts {gain:.2f}x" if gain > 1 else
+            best, gain = self._best(1 << b)
+            parts.append(f"{bucket_label(b)}: " + (f"yes, {best} drafts {gain:.2f}x" if gain > 1 else
                                                    f"no ({best} drafts {gain:.2f}x)"))
         return "drafting pays at batch " + "; ".join(parts)
 
@@ -300,8 +299,9 @@ class DraftLengthController:
         """One line per batch-size bucket served: the length chosen, and the expected tokens/s behind it."""
         lines = []
         for b, length in sorted(self.current.items()):
-            best, gain = self._best(b)
-            plain = self.expected_tokens(0) / self.cost(1 << b[0], 0, self._greedy_share[b]) * (1 << b[0])
+            batch = 1 << b
+            best, gain = self._best(batch)
+            plain = self.expected_tokens(0) / self.cost(batch, 0) * batch
             measured = "measured" if any(cb == b for cb, _ in self.shared) else "start-up estimate"
             lines.append(f"batch {bucket_label(b)}: length {length} last; best {best if gain > 1 else 0} "
                          f"({gain:.2f}x of {plain:.1f} tok/s without drafts at {best}, {measured}; "
@@ -325,7 +325,8 @@ class DraftLengthController:
                 # per bucket: drafted cycles' seconds beyond the target alone (negative: gained), over served
                 "loss_share": {bucket_label(b): round(loss / served, 4) for b, (loss, served)
                                in sorted(self.shared_loss.items()) if served > 0},
-                "startup_timings": {name: list(getattr(self.timings, name)) for name in ("target", "drafter", "drafter_prefill")}}
+                "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter),
+                                    "drafter_prefill": list(self.timings.drafter_prefill)}}
 
 
 class FixedLength:
@@ -337,8 +338,7 @@ class FixedLength:
     def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
         pass
 
-    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None,
-                     greedy: int = 0) -> None:
+    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
         pass
 
     def share_due(self) -> None:

@@ -289,13 +289,11 @@ class UniversalProposer:
         step whose rows do not ``fit`` the q buffer (usd.drafter_max_num_seqs) drafts nothing."""
         so, controller, failure = self._scheduler_output, self.controller, None
         try:
-            greedy = (compat.runner_greedy_rows(self._runner, len(sampled_token_ids)) if self._runner is not None
-                      else np.zeros(len(sampled_token_ids), dtype=bool))
-            num_greedy = int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]]))
             if self._last_start is not None and compat.decode_step_tokens(so) is not None:
                 emitted = [len(s) for s in sampled_token_ids if s]
                 controller.record_cycle(batch, self._length, started - self._last_start,
-                                        sum(emitted) / len(emitted) if emitted else None, num_greedy)
+                                        sum(emitted) / len(emitted) if emitted else None)
+            greedy = compat.runner_greedy_rows(self._runner, len(sampled_token_ids)) if self._runner is not None else []
             if self._runner is not None:
                 controller.observe(compat.scheduled_drafts(so, compat.runner_req_ids(self._runner)),
                                    sampled_token_ids, greedy)
@@ -309,7 +307,7 @@ class UniversalProposer:
                 self._length = controller.length(batch, lambda: self.requests.catch_up_outlook(
                     compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
                     lambda req_id: compat.request_sampling(runner, req_id)) if runner is not None else (0, 0.0),
-                    greedy=num_greedy)
+                    greedy=int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
