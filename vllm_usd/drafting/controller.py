@@ -30,7 +30,8 @@ forward timed at start-up): the drafter's prompt is paid once per request, where
 Now and then a step takes another length, the one tried least recently (never tried first,
 the shorter on a tie) of plain and those that would beat plain at the start-up estimate were every
 draft accepted, so that a length that looked worse is measured again: in each bucket, once the steps since its last
-such step number ``EXPLORE_EVERY`` times that length's cost over the best's.
+such step number ``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length explored
+after a plain step is taken twice: the first cycle pays the catch-up, the second is measured.
 
 **What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
 compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
@@ -157,6 +158,7 @@ class DraftLengthController:
         self.shared: dict[tuple[int, int], tuple[float, int]] = {}
         self.best: dict[int, int] = {}  # bucket -> the best length at its last step (exploring aside)
         self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
+        self._measuring: dict[int, int] = {}  # bucket -> a drafted length explored after a plain step, to take again
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
         self._steps = 0
         # bucket -> [seconds drafted cycles took beyond the target alone (negative: gained), seconds served]
@@ -250,12 +252,18 @@ class DraftLengthController:
             if not self._catch_up_pays(batch, best, share, *outlook):
                 chosen = 0
         due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
-        if due and other not in (chosen, best):
-            spent = self._spent(b)
-            # the rows' missed tokens (a loop over them) are counted only where the step alone is affordable
-            if not other or (spent + self._exploring_loss(batch, other, 0, share) <= 0
-                             and spent + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
+        again = self._measuring.pop(b, None)
+        if again and not chosen:
+            chosen = again
+        elif due and other not in (chosen, best):
+            spent, steps = self._spent(b), 2 if other and not chosen else 1
+            step_loss = self._exploring_loss(batch, other, 0, share)
+            # the rows' missed tokens (a loop over them) are counted only where the steps alone are affordable
+            if not other or (spent + steps * step_loss <= 0 and spent + (steps - 1) * step_loss
+                             + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
                 self._since_explore[b], chosen = 0, other
+                if steps == 2:
+                    self._measuring[b] = other
         self.current[b] = chosen
         return chosen
 
@@ -288,12 +296,10 @@ class DraftLengthController:
 
     def outlook(self, batches: Sequence[int]) -> str:
         """One line: at which batch sizes drafting is expected to pay, and by how much."""
-        parts = []
-        for b in sorted(set(bucket(x) for x in batches)):
-            best, gain = self._best(1 << b)
-            parts.append(f"{bucket_label(b)}: " + (f"yes, {best} drafts {gain:.2f}x" if gain > 1 else
-                                                   f"no ({best} drafts {gain:.2f}x)"))
-        return "drafting pays at batch " + "; ".join(parts)
+        verdicts = {b: self._best(1 << b) for b in sorted(set(bucket(x) for x in batches))}
+        return "drafting pays at batch " + "; ".join(
+            f"{bucket_label(b)}: " + (f"yes, {n} drafts {gain:.2f}x" if gain > 1 else f"no ({n} drafts {gain:.2f}x)")
+            for b, (n, gain) in verdicts.items())
 
     def summary(self) -> list[str]:
         """One line per batch-size bucket served: the length chosen, and the expected tokens/s behind it."""
@@ -335,17 +341,10 @@ class FixedLength:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def observe(self, scheduled: Sequence[int], sampled: Sequence[Sequence[int]], greedy: Sequence[bool]) -> None:
-        pass
+    def _nothing(self, *args: object, **kwargs: object) -> None:
+        """What the controller learns from (observe, record_cycle) and shares (share_due, take_shared): unused."""
 
-    def record_cycle(self, batch: int, length: int, seconds: float, tokens_per_row: float | None = None) -> None:
-        pass
-
-    def share_due(self) -> None:
-        return None
-
-    def take_shared(self, shared: dict) -> None:
-        pass
+    observe = record_cycle = share_due = take_shared = _nothing
 
     def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
                greedy: int = 0) -> int:
