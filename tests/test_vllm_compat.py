@@ -169,22 +169,24 @@ def test_cpu_rejection_sampler_survives_a_step_without_drafts():
     assert torch.isinf(masked[0]).sum() == 6 and torch.isinf(masked[1]).sum() == 5, "non-empty input as before"
 
 
-def test_recovered_noise_is_drawn_only_for_requests_with_drafts():
-    """cpu_drafted_rows_recovery: requests without drafts draw no noise, and the drafted ones get the
-    recovered tokens vLLM's own function gives them (every request seeded, so both draw alike)."""
+def test_recovered_noise_is_drawn_only_for_requests_with_drafts(monkeypatch):
+    """cpu_drafted_rows_recovery: requests without drafts draw no noise, and drafted requests with their own
+    seed get the recovered tokens vLLM's own function gives them (drawn from their generators alike)."""
     import dataclasses
 
     _registered_cpu_kernels()
     from vllm.v1.sample import rejection_sampler as rs
 
     original = getattr(rs.sample_recovered_tokens, "__vllm_usd_wrapped__", rs.sample_recovered_tokens)
-    batches: list[int] = []
+    kernel = rs._sample_recovered_tokens
+    noise_rows: list[int] = []
 
     def spy(*args, **kwargs):
-        batches.append(len(args[1]))  # requests the noise is drawn for
-        return original(*args, **kwargs)
+        noise_rows.append(args[5].shape[0])  # inv_q: [requests drawn for, vocab]
+        return kernel(*args, **kwargs)
 
-    wrapped = patches._wrap_sample_recovered_tokens(spy)
+    monkeypatch.setattr(rs, "_sample_recovered_tokens", spy)
+    wrapped = patches._wrap_sample_recovered_tokens(original)
 
     @dataclasses.dataclass
     class Metadata:  # the one field both read
@@ -204,13 +206,56 @@ def test_recovered_noise_is_drawn_only_for_requests_with_drafts():
 
         want, got = run(original), run(wrapped)
         assert torch.equal(got, want), (got, want)
-    assert batches == [3, 3], "noise for the 3 drafted requests only"
+    assert noise_rows == [5, 3, 5, 3], "vLLM's noise for all 5 requests, the patch's for the 3 drafted ones"
     # a step without drafts samples nothing
     none = wrapped(3, [0, 0], torch.zeros(2, dtype=torch.int32), torch.empty(0, dtype=torch.int32), None,
                    torch.empty(0, vocab), Metadata({}), torch.device("cpu"))
-    assert none.shape == (0,) and batches == [3, 3]
+    assert none.shape == (0,) and noise_rows == [5, 3, 5, 3]
+    monkeypatch.undo()
     assert patches.install_cpu_drafted_rows_recovery() and patches.install_cpu_drafted_rows_recovery()
     assert rs.sample_recovered_tokens.__vllm_usd_wrapped__ is original
+
+
+def test_recovered_tokens_follow_the_residual_distribution(monkeypatch):
+    """cpu_drafted_rows_recovery draws its own noise for unseeded requests: a recovered token must follow
+    max(p - q, 0), normalised (without q: p less the draft token). 20,000 draws over 8 tokens per case,
+    a chi-square goodness-of-fit test passing at p >= ALPHA = 1e-4 (false-alarm rate 0.01% per case). A
+    planted bug, noise E^2 in place of E ~ Exp(1), must fail it."""
+    from scipy.stats import chisquare
+
+    from tests.stats import ALPHA
+
+    _registered_cpu_kernels()
+    from vllm.v1.sample import rejection_sampler as rs
+
+    original = getattr(rs.sample_recovered_tokens, "__vllm_usd_wrapped__", rs.sample_recovered_tokens)
+    wrapped = patches._wrap_sample_recovered_tokens(original)
+    p = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
+    q = torch.tensor([0.05, 0.30, 0.10, 0.20, 0.05, 0.10, 0.15, 0.05])
+    draft = 1
+    cases = {"with q": (q, (p - q).clamp(min=0)), "without q": (None, p.clone().index_fill_(0, torch.tensor(draft), 0))}
+
+    class Metadata:
+        generators: dict = {}
+
+    def pvalue(draft_probs, residual, draws=20_000, per_call=4_000):
+        counts = torch.zeros(8)
+        for _ in range(draws // per_call):  # per_call requests of one draft each
+            ids = torch.full((per_call,), draft, dtype=torch.int32)
+            qs = None if draft_probs is None else draft_probs.expand(per_call, 8).contiguous()
+            got = wrapped(1, [1] * per_call, torch.arange(1, per_call + 1, dtype=torch.int32), ids, qs,
+                          p.expand(per_call, 8).contiguous(), Metadata(), torch.device("cpu"))
+            counts += torch.bincount(got.long(), minlength=8).float()
+        expected = residual / residual.sum() * counts.sum()
+        assert counts[expected == 0].sum() == 0, "drew a token with no residual mass"
+        return chisquare(counts[expected > 0].numpy(), expected[expected > 0].numpy()).pvalue
+
+    for name, (draft_probs, residual) in cases.items():
+        assert pvalue(draft_probs, residual) >= ALPHA, name
+    kernel = rs._sample_recovered_tokens
+    monkeypatch.setattr(rs, "_sample_recovered_tokens",
+                        lambda out, cu, ids, dp, tp, inv_q, **kw: kernel(out, cu, ids, dp, tp, inv_q.square(), **kw))
+    assert all(pvalue(*case) < ALPHA for case in cases.values()), "the planted bug went unseen"
 
 
 def _sampling_metadata(batch: int, vocab: int, greedy_rows: set[int]):

@@ -36,6 +36,7 @@ FUNCTIONS: dict[str, tuple[str, str]] = {
     "apply_sampling_constraints": ("vllm/v1/sample/rejection_sampler.py", "apply_sampling_constraints"),
     "rejection_sample": ("vllm/v1/sample/rejection_sampler.py", "rejection_sample"),
     "sample_recovered_tokens": ("vllm/v1/sample/rejection_sampler.py", "sample_recovered_tokens"),
+    "_sample_recovered_tokens": ("vllm/v1/sample/rejection_sampler.py", "_sample_recovered_tokens"),
     "EngineArgs.create_engine_config": ("vllm/engine/arg_utils.py", "EngineArgs.create_engine_config"),
     "EngineCore.step": ("vllm/v1/engine/core.py", "EngineCore.step"),
     "EngineCore.post_step": ("vllm/v1/engine/core.py", "EngineCore.post_step"),
