@@ -199,18 +199,19 @@ def test_recovered_noise_is_drawn_only_for_requests_with_drafts(monkeypatch):
     torch.manual_seed(0)
     draft_ids = torch.randint(0, vocab, (n,), dtype=torch.int32)
     target_probs = torch.rand(n, vocab).softmax(-1)
-    for draft_probs in (torch.rand(n, vocab).softmax(-1), None):
+    for draft_probs, fp64 in ((torch.rand(n, vocab).softmax(-1), False), (None, False), (None, True)):
         def run(fn):
             gens = {i: torch.Generator().manual_seed(100 + i) for i in range(len(drafts))}
-            return fn(3, drafts, cu, draft_ids, draft_probs, target_probs, Metadata(gens), torch.device("cpu"))
+            return fn(3, drafts, cu, draft_ids, draft_probs, target_probs, Metadata(gens), torch.device("cpu"),
+                      use_fp64_gumbel=fp64)
 
         want, got = run(original), run(wrapped)
-        assert torch.equal(got, want), (got, want)
-    assert noise_rows == [5, 3, 5, 3], "vLLM's noise for all 5 requests, the patch's for the 3 drafted ones"
+        assert torch.equal(got, want), (got, want, fp64)
+    assert noise_rows == [5, 3] * 3, "vLLM's noise for all 5 requests, the patch's for the 3 drafted ones"
     # a step without drafts samples nothing
     none = wrapped(3, [0, 0], torch.zeros(2, dtype=torch.int32), torch.empty(0, dtype=torch.int32), None,
                    torch.empty(0, vocab), Metadata({}), torch.device("cpu"))
-    assert none.shape == (0,) and noise_rows == [5, 3, 5, 3]
+    assert none.shape == (0,) and noise_rows == [5, 3] * 3
     monkeypatch.undo()
     assert patches.install_cpu_drafted_rows_recovery() and patches.install_cpu_drafted_rows_recovery()
     assert rs.sample_recovered_tokens.__vllm_usd_wrapped__ is original

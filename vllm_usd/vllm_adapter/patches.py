@@ -195,13 +195,13 @@ def _wrap_sample_recovered_tokens(original):
         recovered = torch.empty_like(draft_token_ids)
         if not drafted:  # no drafts this step: no recovered tokens to sample
             return recovered
-        index = torch.tensor(drafted, dtype=torch.long, device=cu_num_draft_tokens.device)  # their cumulative counts
-        vocab = target_probs.shape[-1]
+        index, vocab = torch.tensor(drafted, device=cu_num_draft_tokens.device), target_probs.shape[-1]
         # [drafted requests, vocab]: 1 / E, E ~ Exp(1) as -log(1 - u), u float64 (a float32 u = 0 makes E = 0)
         inv_q = torch.rand(len(drafted), vocab, dtype=torch.float64).neg_().log1p_().neg_().reciprocal_().float()
+        seeded_dtype = torch.float64 if (args[0] if args else kwargs.get("use_fp64_gumbel")) else torch.float32
         for row, i in enumerate(drafted):
             if (generator := sampling_metadata.generators.get(i)) is not None:  # as vLLM draws a seeded request's
-                inv_q[row] = torch.empty(vocab).exponential_(generator=generator).reciprocal_()
+                inv_q[row] = torch.empty(vocab, dtype=seeded_dtype).exponential_(generator=generator).reciprocal_()
         rs._sample_recovered_tokens(recovered, cu_num_draft_tokens[index], draft_token_ids, draft_probs,
                                     target_probs, inv_q, max_spec_len=max_spec_len)
         return recovered
