@@ -185,6 +185,26 @@ def test_a_length_that_could_not_pay_is_never_explored_and_a_dearer_one_that_cou
     assert len(starts) <= 20 / min(ratios) + 1 and slow.state()["loss_share"]["1"] <= LOSS_BUDGET, explored
 
 
+def test_an_explored_length_runs_again_only_for_the_same_rows_on_the_next_step():
+    """The second step of an exploration is measured only if it is a drafted step like the first: the next
+    step, its rows caught up. Where the request changed (its drafter lacks a prompt: 40 tokens missed), or a
+    step without decoding rows (a prefill) came between, it is served plain: that catch-up was never priced."""
+    slow_timings = StartupTimings(target=TIMINGS.target, drafter=((1, 0.060),))
+    for missed, prefill_between in ((0, False), (40, False), (0, True)):
+        c = DraftLengthController(3, slow_timings, share_every=1)
+        c.observe([3] * 200, [[0]] * 200, [False] * 200)  # nothing accepted: plain is best, lengths 1-3 explored
+        chosen: list[int] = []
+        while not any(chosen) and len(chosen) < 20 * EXPLORE_EVERY:
+            chosen.append(c.length(1))
+            c.record_cycle(1, chosen[-1], slow_timings.estimate(1, chosen[-1]), 1.0)
+            _share(c)
+        assert chosen[-1], "explored"
+        if prefill_between:
+            _share(c)  # a step: the proposer shares every step, decoding or not
+        again = c.length(1, lambda: (missed, 100.0))
+        assert again == (chosen[-1] if not missed and not prefill_between else 0), (missed, prefill_between)
+
+
 def test_every_rank_chooses_with_rank_0s_costs():
     """Rank 1's clock measured drafting 10x slower; the share hands every rank rank 0's table."""
     rank0, rank1 = _accepting(4), _accepting(4)

@@ -31,7 +31,8 @@ Now and then a step takes another length, the one tried least recently (never tr
 the shorter on a tie) of plain and those that would beat plain at the start-up estimate were every
 draft accepted, so that a length that looked worse is measured again: in each bucket, once the steps since its last
 such step number ``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length explored
-after a plain step is taken twice: the first cycle pays the catch-up, the second is measured.
+after a plain step is taken twice where the next step's rows have caught up (the same requests): the
+first cycle pays the catch-up, the second is measured.
 
 **What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
 compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
@@ -158,7 +159,7 @@ class DraftLengthController:
         self.shared: dict[tuple[int, int], tuple[float, int]] = {}
         self.best: dict[int, int] = {}  # bucket -> the best length at its last step (exploring aside)
         self._since_explore: dict[int, int] = defaultdict(int)  # bucket -> steps since it last explored
-        self._measuring: dict[int, int] = {}  # bucket -> a drafted length explored after a plain step, to take again
+        self._measuring: dict[int, tuple[int, int]] = {}  # bucket -> (a length explored after a plain step, its step)
         self.current: dict[int, int] = {}  # bucket -> the length its last step got
         self._steps = 0
         # bucket -> [seconds drafted cycles took beyond the target alone (negative: gained), seconds served]
@@ -252,9 +253,9 @@ class DraftLengthController:
             if not self._catch_up_pays(batch, best, share, *outlook):
                 chosen = 0
         due = self._since_explore[b] >= EXPLORE_EVERY * self.cost(batch, other) / self.cost(batch, best)
-        again = self._measuring.pop(b, None)
-        if again and not chosen:
-            chosen = again
+        again, at = self._measuring.pop(b, (0, -1))
+        if again and not chosen and at == self._steps - 1 and not (outlook or catch_up())[0]:
+            chosen = again  # the next step, its rows caught up (the same requests): this cycle is measured
         elif due and other not in (chosen, best):
             spent, steps = self._spent(b), 2 if other and not chosen else 1
             step_loss = self._exploring_loss(batch, other, 0, share)
@@ -263,7 +264,7 @@ class DraftLengthController:
                              + self._exploring_loss(batch, other, (outlook or catch_up())[0], share) <= 0):
                 self._since_explore[b], chosen = 0, other
                 if steps == 2:
-                    self._measuring[b] = other
+                    self._measuring[b] = (other, self._steps)
         self.current[b] = chosen
         return chosen
 
