@@ -68,6 +68,42 @@ def test_the_catch_up_outlook_counts_what_the_drafter_would_catch_up_on_and_the_
     assert outlook() == (10 - 4, 30)
 
 
+def test_a_request_drafts_from_the_step_after_the_one_its_prefill_ended_in(pair):
+    """vLLM first calls propose for a request with its prompt and its first token. Requests sent together reach
+    the engine one by one, so that step may hold the first of them alone: its drafter would catch up on its
+    prompt for a batch about to grow. With adaptive_length (the controller prices catch-ups; at a fixed k every
+    step drafts) it drafts from its next step; a request already drafting drafts on."""
+    p = _proposer(pair, adaptive_length=True)  # without start-up timings: every length costs alike, k is best
+    runner = FakeRunner()
+    runner.add("a", _prompt(pair, " the keeper of the"))  # already decoding: its history is its context
+    drafts = runner.step(p, {})
+    assert len(drafts["a"]) == 3
+
+    def outlook() -> tuple[int, float]:
+        ids = runner.input_batch.req_ids
+        return p.requests.catch_up_outlook(ids, [runner.history[r][-1:] for r in ids],
+                                           np.array([len(runner.history[r]) for r in ids]),
+                                           lambda req_id: compat.request_sampling(runner, req_id))
+
+    prompt = _prompt(pair, " a small house by the river and the light")
+    runner.add("b", prompt)  # its prefill ends this step, with its first token
+    first, second = (int(t) for t in p.mapping.target_ids[5:7])
+    runner.history["b"].append(first)
+    runner.history["a"].extend(drafts["a"][:1])
+    assert outlook() == (0, 1000 - 1), "b is left out of the catch-up while its prefill just ended"
+    drafts = runner.step(p, {})
+    assert len(drafts["a"]) == 3 and drafts["b"] == [] and p.requests.get("b") is None
+    runner.history["b"].append(second)
+    runner.history["a"].extend(drafts["a"][:1])
+    assert outlook() == (len(prompt) + 2 - 4, (1000 - 2 + 1000 - 2) / 2)
+    drafts = runner.step(p, {})
+    assert len(drafts["a"]) == 3 and len(drafts["b"]) == 3
+    fixed, alone = _proposer(pair), FakeRunner()  # adaptive_length false
+    alone.add("b", prompt)
+    alone.history["b"].append(first)
+    assert len(alone.step(fixed, {})["b"]) == 3, "at a fixed k a request drafts from its first output token"
+
+
 def test_sampled_rows_get_q_aligned_with_the_batch(pair):
     p = _proposer(pair)
     runner = FakeRunner()

@@ -2,23 +2,20 @@
 
 Two things are kept, both from what the engine did:
 
-* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they
-  draft differently: by default greedy rows draft text, sampled rows TLI with q): of the drafts
-  vLLM scheduled for verification at position j (all before it accepted), the share accepted. A
-  request emitting ``a + 1`` tokens after ``n`` scheduled drafts had positions
-  ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget,
-  structured output) were never offered. The counts start at 1 accepted of 2 offered and fade
-  with the steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the weight of
-  2 drafts: after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
-* **the cost of an engine cycle** (one propose, the drafting it did, and the target step
-  that verified it: start of one propose to the start of the next) for each batch-size
-  bucket (1, 2-3, 4-7, ...) and length: the start-up estimate (the target's forward timed
-  at the cycle's token count, plus the drafter's forwards timed at that batch) times how far
-  such estimates were off, measured: the median of measured/estimated over the cell's last
-  ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over every
-  bucket's. Only cycles in which every request decoded are measured: a prefill costs by its
-  prompt. A drafted cycle right after a plain one is not: its drafter catches up on what its rows
-  missed, once (the loss budget below counts it).
+* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they draft
+  differently: by default greedy rows draft text, sampled rows TLI with q): of the drafts vLLM scheduled for
+  verification at position j (all before it accepted), the share accepted. A request emitting ``a + 1``
+  tokens after ``n`` scheduled drafts had positions ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted.
+  Drafts vLLM trimmed (token budget, structured output) were never offered. The counts start at 1 accepted
+  of 2 offered and fade with the steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the
+  weight of 2 drafts: after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
+* **the cost of an engine cycle** (one propose, the drafting it did, and the target step that verified it:
+  start of one propose to the start of the next) for each batch-size bucket (1, 2-3, 4-7, ...) and length:
+  the start-up estimate (the target's forward timed at the cycle's token count, plus the drafter's forwards
+  timed at that batch) times how far such estimates were off, measured: the median of measured/estimated
+  over the cell's last ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over
+  every bucket's. Only cycles in which every request decoded are measured: a prefill costs by its prompt. Not
+  a drafted cycle right after a plain one: its drafter catches up on what its rows missed, once (the budget counts it).
 
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at

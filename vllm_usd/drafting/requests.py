@@ -32,6 +32,7 @@ class RequestSampling:
     top_p: float = 1.0
     seed: int | None = None
     last_token: int = sys.maxsize  # target tokens (prompt included) at which max_tokens is reached
+    prompt_tokens: int = 0  # 0: not known
 
 
 @dataclass
@@ -80,9 +81,11 @@ class RequestTable:
     """The drafting state of every live request, and the rules for which get drafts this step."""
 
     def __init__(self, pair: DraftPair, runtime: DrafterRuntime, *, k: int, always_greedy: bool, seed: int,
-                 drafts_text: Callable[[float], bool] | None = None) -> None:
+                 drafts_text: Callable[[float], bool] | None = None, waits_after_prefill: bool = False) -> None:
         """``drafts_text(temperature)``: the request drafts text (string-level), so its drafter context is
-        its text as the drafter's tokenizer cuts it (``ContextTranslator`` ``by_text``)."""
+        its text as the drafter's tokenizer cuts it (``ContextTranslator`` ``by_text``). ``waits_after_prefill``
+        (adaptive_length): a request drafts from the step after its prefill ended (``catch_up_outlook``)."""
+        self._waits_after_prefill = waits_after_prefill
         self._pair = pair
         self._drafts_text = drafts_text
         self._runtime = runtime
@@ -149,7 +152,12 @@ class RequestTable:
         """
         if req_id in self._undraftable:
             return None
-        state = self._states.get(req_id) or self._new_state(req_id, sampling())
+        state = self._states.get(req_id)
+        if state is None:
+            first = sampling()
+            if self._waits_after_prefill and num_tokens == first.prompt_tokens + 1:
+                return None  # its prefill just ended: see ``catch_up_outlook``
+            state = self._new_state(req_id, first)
         if state is None:
             return None
         if num_tokens >= state.last_token:  # max_tokens reached: the request ends with this step
@@ -184,16 +192,19 @@ class RequestTable:
 
     def catch_up_outlook(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                          sampling: Callable[[str], RequestSampling]) -> tuple[int, float]:
-        """(target tokens the decoding rows' drafter contexts lack beyond the k + 1 a drafted step feeds
-        anyway: what the drafter must catch up on if this step drafts, a new request's whole context;
-        the tokens those rows have left to emit, on average, as far as max_tokens says)."""
+        """(target tokens the decoding rows' drafter contexts lack beyond the k + 1 a drafted step feeds anyway,
+        a new request's whole context; the tokens those rows have left, on average, as far as max_tokens says).
+        A row whose prefill just ended is left out: it drafts from its next step, once its batch is known
+        (requests sent together reach the engine one by one: the first would catch up alone)."""
         missed, left, rows = 0, 0, 0
         for i, sampled in enumerate(sampled_token_ids):
             if sampled and req_ids[i] not in self._undraftable:
-                state = self._states.get(req_ids[i])
-                n = int(num_tokens[i])
+                state, n = self._states.get(req_ids[i]), int(num_tokens[i])
+                first = state or sampling(req_ids[i])
+                if state is None and self._waits_after_prefill and n == first.prompt_tokens + 1:
+                    continue
                 missed += max(n - (state.committed if state else 0) - (self._k + 1), 0)
-                left += max((state.last_token if state else sampling(req_ids[i]).last_token) - n, 0)
+                left += max(first.last_token - n, 0)
                 rows += 1
         return missed, left / rows if rows else 0.0
 

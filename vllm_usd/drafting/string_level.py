@@ -1,14 +1,12 @@
 """String-level drafting (SLEM, Timor et al., ICML 2025): draft text, not shared tokens.
 
-The drafter drafts greedily in its whole vocabulary, batched across requests.
-After each drafter token, each request's drafted bytes are re-encoded by the
-target tokenizer over a short window (``TargetRetokenizer``); a request stops
-drafting once its text determines its length of target tokens, when the
-re-encoding would rewrite committed tokens, at a special token, or at the
-drafter-token budget. Each forward's drafted ids are read back once (their bytes
-are needed); the next forward takes them where they are, as TLI's does, so it
-replays the same captured decode step. The drafts carry no q: vLLM verifies them as point masses,
-which is exact for greedy requests and lossless (if less accepting) for sampled ones.
+The drafter drafts greedily in its whole vocabulary, batched across requests. After each drafter token,
+each request's drafted bytes are re-encoded by the target tokenizer over a short window
+(``TargetRetokenizer``); a request stops drafting once its text determines its length of target tokens,
+when the re-encoding would rewrite committed tokens, at a special token, or at the drafter-token budget.
+Each forward's drafted ids are read back once (their bytes are needed); the next forward takes them where
+they are, as TLI's does, so it replays the same captured decode step. The drafts carry no q: vLLM verifies
+them as point masses, which is exact for greedy requests and lossless (if less accepting) for sampled ones.
 """
 
 from __future__ import annotations

@@ -33,14 +33,11 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.timings[name] += time.perf_counter() - start
+            self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
         if self.enabled:

@@ -1,14 +1,12 @@
 """Intersection drafting (TLI, Timor et al., ICML 2025): k drafts per request from the shared vocabulary.
 
-Each position: the drafter's logits over the intersection (the pruned head,
-or the full head restricted), one draft per row sampled like the request,
-and q, the exact distribution it was drawn from. Drafts map to target ids
-through the mapping's one sorted index.
+Each position: the drafter's logits over the intersection (the pruned head, or the full head restricted),
+one draft per row sampled like the request, and q, the exact distribution it was drawn from. Drafts map
+to target ids through the mapping's one sorted index.
 
-Between positions everything stays on the device: the sampled indices feed the
-next drafter forward in place. The step ends with its one copy to the host, the
-drafted indices, from which both the target ids handed to vLLM and the drafter's
-own record of its tokens are read.
+Between positions everything stays on the device: the sampled indices feed the next drafter forward in
+place. The step ends with its one copy to the host, the drafted indices, from which both the target ids
+handed to vLLM and the drafter's own record of its tokens are read.
 
 The confidence stop (``usd.confidence_stop``): a row's drafts end after the first one to which
 the drafter gave less than the threshold's probability (its softmax over the intersection, at

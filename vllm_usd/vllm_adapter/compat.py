@@ -181,6 +181,7 @@ def request_sampling(runner, req_id: str) -> RequestSampling:
         top_p=float(getattr(params, "top_p", 1.0) or 1.0),
         seed=getattr(params, "seed", None),
         last_token=last,
+        prompt_tokens=prompt_len if isinstance(prompt_len, int) else 0,
     )
 
 

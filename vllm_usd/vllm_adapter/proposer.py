@@ -90,7 +90,8 @@ class UniversalProposer:
         # room a step may need past a request's drafter context: k drafts, or the string budget
         self.requests = RequestTable(self.pair, self.runtime, k=max(self.k, string_budget) if drafts_text else self.k,
                                      always_greedy=self.config.draft_sampling == "greedy", seed=self.config.seed,
-                                     drafts_text=self._drafts_text if drafts_text else None)
+                                     drafts_text=self._drafts_text if drafts_text else None,
+                                     waits_after_prefill=cfg.adaptive_length)
         self.strategy = IntersectionDrafting(self.mapping, self.runtime, k=self.k,
                                              pruned_head=cfg.pruned_head and not drafts_text, timer=self.timer,
                                              confidence_stop=cfg.confidence_stop)
