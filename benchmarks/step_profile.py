@@ -1,4 +1,4 @@
-"""Where a batch-1 engine step's time goes: the target alone against vllm-usd at a fixed k, per vLLM runner method.
+"""Where an engine step's time goes: the target alone against vllm-usd at a fixed k, per vLLM runner method.
 
 Both engines are up at once and timed in alternation (as ``interleaved_check.py``). In each worker the
 model runner's methods are wrapped with timers (``execute_model``: the target's forward and logits;
@@ -95,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workload", default="chat", choices=CATEGORIES, help="kind of prompt (interleaved_check's)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per round, one request at a time")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per round")
+    parser.add_argument("--batch", type=int, default=1, help="prompts sent at once (--prompts is rounded up to a multiple)")
     parser.add_argument("--never-draft", action="store_true", help="vllm-usd's engine drafts nothing (NeverDrafts)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     spec = pair_specs([args.pair])[0]
-    prompts = [p["text"] for p in load_workloads([args.workload], n=args.prompts)[args.workload]]
+    n = -(-args.prompts // args.batch) * args.batch
+    prompts = [p["text"] for p in load_workloads([args.workload], n=n)[args.workload]]
     systems = {"plain": {}, f"usd_k{args.k}": speculative_args(drafter=args.drafter or spec.drafter, k=args.k,
                                                                **{"adaptive_length": False, "profile": True,
                                                                   **json.loads(args.usd)})}
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         systems[f"usd_k{args.k}"]["speculative_config"]["model"] = "benchmarks.step_profile.NeverDrafts"
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with contextlib.ExitStack() as stack:
-        engines = {name: stack.enter_context(engine(spec.target, 1, extra)) for name, extra in systems.items()}
+        engines = {name: stack.enter_context(engine(spec.target, args.batch, extra)) for name, extra in systems.items()}
         for llm in engines.values():
             llm.collective_rpc(install_timers)
             llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=args.temperature, seed=1),
@@ -117,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for name, llm in engines.items():
                 start, tokens = time.perf_counter(), 0
-                for i, prompt in enumerate(prompts):
-                    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True,
-                                            temperature=args.temperature, seed=i)
-                    tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+                for i in range(0, len(prompts), args.batch):
+                    params = [SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True,
+                                             temperature=args.temperature, seed=i + j) for j in range(args.batch)]
+                    outputs = llm.generate(prompts[i:i + args.batch], params, use_tqdm=False)
+                    tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
                 wall = time.perf_counter() - start
                 totals = llm.collective_rpc(read_timers, kwargs={"reset": True})[0]
                 steps = max(totals.get("execute_model", [0.0, 1])[1], 1)
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                       ", ".join(f"{key} {ms} ms" for key, ms in per_step_ms.items()), flush=True)
     result = {"command": "python benchmarks/step_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "pair": args.pair, "k": args.k, "temperature": args.temperature, "never_draft": args.never_draft,
-              "workload": args.workload, "max_tokens": args.max_tokens,
+              "workload": args.workload, "max_tokens": args.max_tokens, "batch": args.batch,
               "host": {"cpu": cpu_model(), "flags": cpu_flags()}, "runs": runs,
               "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_CPU_", "OMP_"))}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
