@@ -44,8 +44,9 @@ def test_root_cause_is_read_from_the_engine_log(tmp_path):
     code = ("import sys; print('(Worker) ERROR AssertionError: All drafting layers should belong to the same "
             "kv cache group', file=sys.stderr); print('RuntimeError: Engine core initialization failed. See root "
             "cause above.', file=sys.stderr)")
-    with vllm_systems.stderr_copied_to(log):
+    with vllm_systems.stderr_copied_to(log) as drain:
         subprocess.run([sys.executable, "-c", code], check=True)
+    drain()  # tee may not have written it yet
     text = log.read_text()
     assert vllm_systems.root_cause(text) == "AssertionError: All drafting layers should belong to the same kv cache group"
     assert vllm_systems.root_cause("nothing went wrong") is None

@@ -12,11 +12,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from vllm_usd.bench.metrics import step_split
 from vllm_usd.bench.plan import ENGINE_SETTINGS
 from vllm_usd.vllm_adapter.compat import shutdown_engine
+
+DRAIN_SECONDS = 5.0  # the longest a failed start's log is waited for to reach its file
 
 
 def engine_args(system: str, drafter: str, k: int, usd_settings: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -54,14 +56,22 @@ def root_cause(log: str) -> str | None:
 
 
 @contextlib.contextmanager
-def stderr_copied_to(path: Path) -> Iterator[None]:
-    """Send fd 2 (ours and the engine processes' started meanwhile) to ``path`` as well as the terminal."""
+def stderr_copied_to(path: Path) -> Iterator[Callable[[], None]]:
+    """Send fd 2 (ours and the engine processes' started meanwhile) to ``path`` as well as the terminal.
+    Yields ``drain``: called after the block, it waits (at most ``DRAIN_SECONDS``) until what was written
+    has reached ``path``: tee ends once every process holding its pipe has closed it (a started engine's
+    processes keep it open, so only a failed start is waited for)."""
     sys.stderr.flush()
     saved = os.dup(2)
     tee = subprocess.Popen(["tee", "-a", str(path)], stdin=subprocess.PIPE, stdout=saved)
     os.dup2(tee.stdin.fileno(), 2)
+
+    def drain() -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            tee.wait(DRAIN_SECONDS)
+
     try:
-        yield
+        yield drain
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
@@ -78,9 +88,10 @@ def engine(target: str, max_num_seqs: int, extra: dict[str, Any]) -> Iterator[An
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "engine-start.log"
         try:
-            with stderr_copied_to(log):
+            with stderr_copied_to(log) as drain:
                 llm = LLM(model=target, max_num_seqs=max_num_seqs, **ENGINE_SETTINGS, **extra)
         except Exception as exc:
+            drain()
             cause = root_cause(log.read_text(errors="replace")) if log.exists() else None
             raise EngineStartError(cause or f"{type(exc).__name__}: {exc}") from exc
     try:
