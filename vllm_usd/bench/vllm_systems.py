@@ -86,7 +86,7 @@ def engine(target: str, max_num_seqs: int, extra: dict[str, Any]) -> Iterator[An
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(proposer_stats)
     with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "engine-start.log"
+        log, drain = Path(tmp) / "engine-start.log", lambda: None  # drain: stderr_copied_to's, once it ran
         try:
             with stderr_copied_to(log) as drain:
                 llm = LLM(model=target, max_num_seqs=max_num_seqs, **ENGINE_SETTINGS, **extra)
