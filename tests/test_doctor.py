@@ -123,13 +123,17 @@ def test_doctor_shows_the_drafters_probe_verdict(real_pair, tmp_path):
     # the shipped Q4_1 file and its Q8_0 copy are timed here; the faster runs ("gguf": the file as it is)
     assert re.match(rf"drafter {re.escape(real_pair['smollm2'])}: llama_cpp \(gguf(/q8_0)?\), GGUF ", lines[head])
     assert re.match(r"  weight types timed at batch 1 here: file [\d.]+ ms, q8_0 [\d.]+ ms$", lines[head + 1])
-    ms = {name: float(value) for name, value in re.findall(r"(file|q8_0) ([\d.]+) ms", lines[head + 1])}
-    assert ("(gguf/q8_0)" in lines[head]) == (ms["q8_0"] < ms["file"]), lines[head:head + 2]
+    shown = dict(re.findall(r"(file|q8_0) ([\d.]+) ms", lines[head + 1]))
+    # the text rounds to 0.1 ms, so two types can print alike; the JSON (the cached verdicts) holds the times chosen by
+    report = json.loads(second.stdout)["drafter"]
+    timed = report["types_timed"]
+    assert shown == {name: f"{ms:.1f}" for name, ms in timed.items()}, (shown, timed)
+    assert f"({report['format']})" in lines[head] and (report["format"] == "gguf/q8_0") == (timed["q8_0"] < timed["file"]), \
+        (lines[head], timed)
     # SmolLM2-135M: 30 layers x (k, v) x 3 KV heads x 64 dims x 2 B (llama.cpp's f16 cache) = 22.5 KiB a token
     assert lines[head + 2].startswith("  memory, allocated at start-up: KV cache 22.5 KiB per token")
     assert lines[head + 3].startswith("  probe: llama.cpp (") and ": ok: top-1 agreement " in lines[head + 3]
     assert "verdict probed now in" in lines[-1] and str(tmp_path / "native-probe") in lines[-1]
-    report = json.loads(second.stdout)["drafter"]
     assert report["probe"]["cached"] is True and report["probe"]["settings"]["extra_buffer_types"] is True
     assert report["probe"]["attempts"][0]["buffer_types"] is not None
     assert report["probe"]["cache_file"] in lines[-1]
