@@ -16,8 +16,8 @@ import pytest
 pytestmark = [pytest.mark.bench_smoke, pytest.mark.engine]
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
-TOP_FIELDS = {"created", "command", "host", "cpu", "cpus", "versions", "seconds", "plan", "engine_settings", "rows",
-              "prompts"}
+TOP_FIELDS = {"created", "command", "host", "cpu", "cpu_flags", "cpus", "versions", "seconds", "plan",
+              "engine_settings", "rows", "prompts"}
 ROW_FIELDS = {"pair", "system", "k", "temperature", "batch", "status", "tok_s", "tok_s_runs", "acceptance_length",
               "per_position_acceptance", "draft_tokens_per_step", "ratio_vs_plain", "peak_memory_mib", "num_prompts"}
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from vllm_usd import envs
 from vllm_usd.bench.hf_systems import hf_rows
-from vllm_usd.bench.machine import PeakMemory, cpu_model, versions
+from vllm_usd.bench.machine import PeakMemory, cpu_flags, cpu_model, versions
 from vllm_usd.bench.metrics import add_ratios
 from vllm_usd.bench.plan import ENGINE_SETTINGS, HF_SYSTEMS, BenchEvent, BenchPlan, EventSink
 from vllm_usd.bench.vllm_systems import engine, engine_args, run_setting
@@ -74,7 +74,8 @@ def run_plan(plan: BenchPlan, *, command: str, on_event: EventSink | None = None
         add_ratios(done)
         return {
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "complete": final,
-            "command": command, "host": socket.gethostname(), "cpu": cpu_model(), "cpus": os.cpu_count(),
+            "command": command, "host": socket.gethostname(), "cpu": cpu_model(), "cpu_flags": cpu_flags(),
+            "cpus": os.cpu_count(),
             "versions": versions(), "seconds": time.time() - started,
             "plan": {**asdict(plan), "prompts": None, "num_prompts": len(plan.prompts),
                      "pairs": [asdict(p) for p in plan.pairs]},
