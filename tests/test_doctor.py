@@ -124,12 +124,13 @@ def test_doctor_shows_the_drafters_probe_verdict(real_pair, tmp_path):
     assert re.match(rf"drafter {re.escape(real_pair['smollm2'])}: llama_cpp \(gguf(/q8_0)?\), GGUF ", lines[head])
     assert re.match(r"  weight types timed at batch 1 here: file [\d.]+ ms, q8_0 [\d.]+ ms$", lines[head + 1])
     shown = dict(re.findall(r"(file|q8_0) ([\d.]+) ms", lines[head + 1]))
-    # the text rounds to 0.1 ms, so two types can print alike; the JSON (the cached verdicts) holds the times chosen by
+    # the text rounds to 0.1 ms, so two types can print alike; the JSON (from the cached verdicts) holds the
+    # unrounded times the choice was made on
     report = json.loads(second.stdout)["drafter"]
     timed = report["types_timed"]
     assert shown == {name: f"{ms:.1f}" for name, ms in timed.items()}, (shown, timed)
-    assert f"({report['format']})" in lines[head] and (report["format"] == "gguf/q8_0") == (timed["q8_0"] < timed["file"]), \
-        (lines[head], timed)
+    assert f"({report['format']})" in lines[head], (lines[head], report["format"])
+    assert (report["format"] == "gguf/q8_0") == (timed["q8_0"] < timed["file"]), timed
     # SmolLM2-135M: 30 layers x (k, v) x 3 KV heads x 64 dims x 2 B (llama.cpp's f16 cache) = 22.5 KiB a token
     assert lines[head + 2].startswith("  memory, allocated at start-up: KV cache 22.5 KiB per token")
     assert lines[head + 3].startswith("  probe: llama.cpp (") and ": ok: top-1 agreement " in lines[head + 3]
