@@ -254,6 +254,19 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             self._decode(entries[start:start + BATCH_TOKENS], out)
         return out
 
+    def catch_up_on(self, cpus: frozenset[int], req_ids: Sequence[str], wanted: Sequence[Sequence[int]],
+                    unchanged: Sequence[int]) -> None:
+        """``catch_up`` with one llama.cpp thread per CPU of ``cpus``, called from a thread bound to them
+        (``CatchUpAhead``'s, while the target steps); its logits are not needed."""
+        saved = self.cpus
+        self._ll.llama_set_n_threads(self._ctx, len(cpus), len(cpus))
+        self.cpus = cpus
+        try:
+            self.catch_up(req_ids, wanted, unchanged)
+        finally:
+            self.cpus = saved
+            self._ll.llama_set_n_threads(self._ctx, self.threads, self.threads)
+
     def _on_drafter_cpus(self, call, *args):
         """``call(*args)`` with this thread's affinity widened to the drafter's CPUs: llama.cpp's
         threads start from this one and inherit its affinity (vLLM binds it to the target's cores)."""

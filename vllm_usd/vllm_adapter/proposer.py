@@ -24,12 +24,13 @@ from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
-                               PhaseTimer, RequestTable, StartupTimings)
+                               PhaseTimer, RequestSampling, RequestTable, StartupTimings)
 from vllm_usd.drafting.controller import SHARE_EVERY
 from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter, time_drafter_prefill
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
+from vllm_usd.vllm_adapter.catch_up_ahead import CatchUpAhead
 from vllm_usd.vllm_adapter.digests import StepDigests
 from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
@@ -97,9 +98,9 @@ class UniversalProposer:
                                              confidence_stop=cfg.confidence_stop)
         self.strings = StringDrafting(
             self.mapping, TargetRetokenizer(target_tokenizer, self.mapping.target_table), self.runtime,
-            budget=string_budget, timer=self.timer,
-            counters=self.requests.counters,
+            budget=string_budget, timer=self.timer, counters=self.requests.counters,
         ) if drafts_text else None
+        self.ahead = CatchUpAhead(self.runtime, self.requests)
         self.vllm_config = vllm_config
         # timed in load_model; until then (and without adaptive_length) the controller prices nothing
         self.controller: DraftLengthController | FixedLength = (
@@ -113,9 +114,8 @@ class UniversalProposer:
                                           max_rows=self._max_draft_rows(vllm_config),
                                           needed=cfg.draft_mode != "string" and cfg.draft_sampling != "greedy")
         self._last_q: torch.Tensor | None = None
-        self._runner = None
-        self._scheduler_output = None
-        self._last_end: float | None = None
+        self._runner = self._scheduler_output = None
+        self._last_end: float | None = None  # the last propose's end and start
         self._last_start: float | None = None
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
@@ -206,10 +206,6 @@ class UniversalProposer:
         return self.requests.counters
 
     @property
-    def num_request_states(self) -> int:
-        return len(self.requests)
-
-    @property
     def digests(self) -> list[str]:
         """With usd.debug_digests: one SHA-256 per drafting step of (rows, requests, drafts, q)."""
         return self._digests.all()
@@ -249,20 +245,25 @@ class UniversalProposer:
         started = time.perf_counter()
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
+        with self.timer.phase("ahead_wait"):  # before anything reads the drafter
+            ahead_failure = self.ahead.wait()
         batch = num_rows - sampled_token_ids.count([])  # decoding rows
         length, failure = self._choose_length(started, sampled_token_ids, num_tokens_no_spec, batch,
                                               num_rows <= self._q_buffer.max_rows)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         parts, qs = [], None
         try:
-            if failure is not None:
-                raise failure
+            if ahead_failure or failure:
+                raise ahead_failure or failure
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
             rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, length)
             if len(rows):
-                parts, batch = self._draft(rows, lengths)
-                qs = self._hand_over(parts, batch, drafts)
+                parts, tli_batch = self._draft(rows, lengths)
+                qs = self._hand_over(parts, tli_batch, drafts)
+            if not any(drafts):  # the last step in this block: nothing may fail after it
+                self.ahead.start(self.controller, batch, compat.runner_req_ids(self._runner), sampled_token_ids,
+                                 num_tokens_no_spec, token_ids_cpu, self._sampling)
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             failure = exc
         # the step's one collective: every rank takes the same action (all drop the drafts, or none), and
@@ -304,10 +305,9 @@ class UniversalProposer:
         self._length = 0
         if failure is None and batch and fits:
             try:
-                runner = self._runner
                 self._length = controller.length(batch, lambda: self.requests.catch_up_outlook(
-                    compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
-                    lambda req_id: compat.request_sampling(runner, req_id)) if runner is not None else (0, 0.0),
+                    compat.runner_req_ids(self._runner), sampled_token_ids, num_tokens, self._sampling)
+                    if self._runner is not None else (0, 0.0),
                     greedy=int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
@@ -327,10 +327,12 @@ class UniversalProposer:
             return DraftRows(), []
         with self.timer.phase("translate"):
             rows, lengths = self.requests.collect(compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
-                                                  token_ids, lambda req_id: compat.request_sampling(runner, req_id),
-                                                  length)
+                                                  token_ids, self._sampling, length)
         self.counters[f"length_{length}"] += len(lengths)
         return rows.longest_first(lengths)
+
+    def _sampling(self, req_id: str) -> RequestSampling:  # read from the engine once per request
+        return compat.request_sampling(self._runner, req_id)
 
     def _draft_salt(self) -> int:
         """Mixed into every unseeded draw: equal on every rank (usd.seed)."""

@@ -1,0 +1,121 @@
+"""Catching drafters up ahead, on the CPUs vLLM left idle, while the target steps.
+
+Before a request drafts, its drafter must have read its context: a new request's whole prompt, and every
+token emitted while it drafted nothing. That read costs about as much as several target steps, and it
+is what made trying a length at batch 1 dear. On a CPU host vLLM binds the target's threads to some
+CPUs and may leave others idle (on two CPUs by default: one each). After a step that drafts nothing,
+``start`` feeds the rows' drafters a bounded part of what they lack, in one thread on those idle CPUs,
+while vLLM runs the next target step; the next ``propose`` calls ``wait`` before anything else touches the
+drafter. The controller reads the drafters as caught up (``RequestTable.catch_up_outlook``) and no longer
+prices the catch-up.
+
+It runs only where nothing another rank does can differ: one worker (several workers are bound to their
+own CPUs, and their drafters to those), a drafter that can run on given CPUs (llama.cpp), the
+draft-length controller's start-up timings, and a batch size at which some length ``could_pay``. A step
+feeds at most the tokens the drafter's prompt timing, scaled to the idle CPUs' share of its CPUs, fits into
+a plain target step. Every row it syncs it feeds (``RequestTable.sync``'s hint of unchanged tokens holds only
+for a drafter fed after every sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafting import DraftLengthController, RequestSampling, RequestTable
+
+logger = logging.getLogger("vllm.usd")
+
+
+def idle_cpus(runtime: DrafterRuntime) -> frozenset[int]:
+    """The drafter's CPUs that this thread (vLLM's worker, bound to the target's CPUs) is not bound to,
+    where the drafter can run on given CPUs; empty otherwise."""
+    if not hasattr(runtime, "catch_up_on") or not hasattr(os, "sched_getaffinity"):
+        return frozenset()
+    return frozenset(runtime.cpus) - frozenset(os.sched_getaffinity(0))
+
+
+class CatchUpAhead:
+    """Feeds drafters what they lack on idle CPUs between one ``propose`` and the next."""
+
+    def __init__(self, runtime: DrafterRuntime, requests: RequestTable) -> None:
+        self._runtime = runtime
+        self._requests = requests
+        self._idle: frozenset[int] | None = None  # found at the first step: vLLM binds its worker after start-up
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
+
+    def wait(self) -> Exception | None:
+        """Wait for the feed started after the last step. Returns its failure (the step then fails, and its
+        rows, the feed's among them, start afresh), or None."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        exc = job.exception()
+        if exc is None:
+            return None
+        self._stop()
+        return exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+
+    def _stop(self) -> None:
+        """After a failure (counted by the caller, as the step's), feeding ahead stays off."""
+        logger.warning("vllm-usd: feeding drafters on idle CPUs failed; it stays off from now on")
+        self._idle = frozenset()
+
+    def start(self, controller: object, batch: int, req_ids: list[str], sampled_token_ids: list[list[int]],
+              num_tokens: np.ndarray, token_ids: np.ndarray, sampling: Callable[[str], RequestSampling]) -> int:
+        """After a step of ``batch`` decoding rows that drafts nothing: feed its rows' drafters, at most a
+        plain step's worth of tokens, in the background. Returns the tokens it feeds."""
+        budget = self._budget(controller, batch) if self._usable(controller, batch) else 0
+        rows, wanted, held = [], [], []
+        for i, sampled in enumerate(sampled_token_ids):
+            if budget <= 0:
+                break  # the rows left are not synced: a synced row must be fed
+            if not sampled:
+                continue
+            req_id = req_ids[i]
+            synced = self._requests.sync(req_id, int(num_tokens[i]), token_ids[i], lambda: sampling(req_id))
+            if synced is None:
+                continue
+            _, seq, unchanged = synced
+            same = self._runtime.cached_prefix(req_id, seq, unchanged)
+            end = min(len(seq), same + budget)
+            if end > same:  # else the drafter holds all of it (and perhaps drafts past it)
+                budget -= end - same
+                rows.append(req_id)
+                wanted.append(seq[:end])
+                held.append(same)
+        if not rows:
+            return 0
+        fed = sum(len(seq) - same for seq, same in zip(wanted, held))
+        try:
+            self._job = self._pool.submit(self._runtime.catch_up_on, self._idle, rows, wanted, held)
+        except Exception:
+            self._stop()
+            raise
+        self._requests.counters["fed_ahead_tokens"] += fed
+        return fed
+
+    def _usable(self, controller: object, batch: int) -> bool:
+        timings = getattr(controller, "timings", None)
+        if not isinstance(controller, DraftLengthController) or not (timings.target and timings.drafter_prefill):
+            return False
+        if self._idle is None:
+            self._idle = idle_cpus(self._runtime)
+            if self._idle:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-usd-catch-up",
+                                                initializer=os.sched_setaffinity, initargs=(0, self._idle))
+        return bool(self._idle) and any(controller.could_pay(batch, n) for n in range(1, controller.k + 1))
+
+    def _budget(self, controller: DraftLengthController, batch: int) -> int:
+        """Tokens the idle CPUs feed while the target takes a plain step, both as timed at start-up (not as
+        measured: a cycle includes the wait for this feed): the drafter's longest timed prompt per token, on all
+        its CPUs, taken as proportionally slower on fewer."""
+        tokens, seconds = controller.timings.drafter_prefill[-1]
+        per_token = seconds / tokens * len(self._runtime.cpus) / len(self._idle)
+        return int(controller.timings.estimate(batch, 0) / per_token)
