@@ -26,6 +26,8 @@ proposer they are compared with (``tests.faults.planted``), after its own checks
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.engines import engine, proposer_stats, spec_counts, token_ids
@@ -326,6 +328,9 @@ def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, probe_
         run = request.getfixturevalue("usd_llama_cpp")
     stats = run["stats"]
     assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is not probe_crash
+    # the worker's threads are bound to the target's CPUs (by libgomp, before the plugin loads); its drafter
+    # drafts on every CPU this process has, one thread each
+    assert stats["drafter_cpus"] == sorted(os.sched_getaffinity(0)), stats["drafter_cpus"]
     assert run["greedy"] == baseline["greedy"] and run["accepted"] > 0
     p = homogeneity_pvalue(baseline["t1"], run["t1"])
     print(f"llama.cpp drafter ({stats['drafter_probe']}): p = {p:.2e}")

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from vllm_usd import envs
 from vllm_usd.drafter.base import DrafterRuntime
 
 logger = logging.getLogger("vllm.usd")
@@ -54,26 +55,24 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-_startup_cpus: frozenset[int] | None = None  # this process's CPUs before vLLM bound its threads
-
-
-def remember_startup_cpus() -> None:
-    """Record the CPUs this process may run on, before vLLM's CPU worker binds the target's threads
-    (the plugin's ``register()`` runs first in every process)."""
-    global _startup_cpus
-    if _startup_cpus is None and hasattr(os, "sched_getaffinity"):
-        _startup_cpus = frozenset(os.sched_getaffinity(0))
+def remember_process_cpus() -> None:
+    """Hand the CPUs this process may run on to the processes vLLM starts from it (``VLLM_USD_CPUS``, unless
+    set). The first process to load the plugin is the user's, which vLLM does not bind; a worker cannot
+    tell for itself: libgomp binds its threads to the target's CPUs when torch is imported, before any
+    plugin runs."""
+    if hasattr(os, "sched_getaffinity"):
+        envs.set_cpus_once(os.sched_getaffinity(0))
 
 
 def drafter_cpus(workers: int = 1) -> frozenset[int]:
     """The CPUs llama.cpp drafts on. The engine's only worker and its drafter take turns, so while it
-    drafts the target's cores and those vLLM left idle are free: every CPU the process had at
-    start-up. With more workers (tensor, pipeline or data parallel) they may run at once: each
+    drafts the target's CPUs and those vLLM left idle are free: the user's process's CPUs
+    (``VLLM_USD_CPUS``). With more workers (tensor, pipeline or data parallel) they may run at once: each
     drafts on its own CPUs."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return frozenset(range(os.cpu_count() or 1))
     current = frozenset(os.sched_getaffinity(0))
-    return (_startup_cpus or current) if workers == 1 else current
+    return (envs.cpus() or current) if workers == 1 else current
 
 
 def step_ms(runtime: "LlamaCppDrafterRuntime", steps: int = 40) -> float:

@@ -219,6 +219,7 @@ class UniversalProposer:
             "drafter_kv_blocks": getattr(self.runtime, "num_blocks", None),
             "drafter_kv_free_blocks": getattr(self.runtime, "free_blocks", None),
             "drafter_forwards": dict(getattr(self.runtime, "forwards", {})),
+            "drafter_cpus": sorted(getattr(self.runtime, "cpus", ())),  # llama.cpp's, a thread each
             "decode_graphs": getattr(getattr(self.runtime, "graphs", None), "captures", 0),
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
@@ -226,8 +227,7 @@ class UniversalProposer:
             "failures": dict(self.failures.by_reason),
             "native_settings": dataclasses.asdict(self.choice.native) if self.choice.native else None,
             "startup": self.startup_line,
-            "controller": self.controller.state(),
-            "controller_summary": self.controller.summary(),
+            "controller": self.controller.state(), "controller_summary": self.controller.summary(),
         }
 
     # -- one step ------------------------------------------------------------------------------
