@@ -64,15 +64,13 @@ def remember_process_cpus() -> None:
         envs.set_cpus_once(os.sched_getaffinity(0))
 
 
-def drafter_cpus(workers: int = 1) -> frozenset[int]:
-    """The CPUs llama.cpp drafts on. The engine's only worker and its drafter take turns, so while it
-    drafts the target's CPUs and those vLLM left idle are free: the user's process's CPUs
-    (``VLLM_USD_CPUS``). With more workers (tensor, pipeline or data parallel) they may run at once: each
-    drafts on its own CPUs."""
+def drafter_cpus() -> frozenset[int]:
+    """The CPUs llama.cpp drafts on, a thread each: the calling thread's. In vLLM's CPU worker those are the
+    target's (the worker and its drafter take turns), and no more can serve: llama.cpp's threads are
+    OpenMP's, and libgomp binds every one of a worker's to the target's CPUs (``GOMP_CPU_AFFINITY``)."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return frozenset(range(os.cpu_count() or 1))
-    current = frozenset(os.sched_getaffinity(0))
-    return (envs.cpus() or current) if workers == 1 else current
+    return frozenset(os.sched_getaffinity(0))
 
 
 def step_ms(runtime: "LlamaCppDrafterRuntime", steps: int = 40) -> float:
@@ -255,10 +253,10 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
 
     def catch_up_on(self, cpus: frozenset[int], req_ids: Sequence[str], wanted: Sequence[Sequence[int]],
                     unchanged: Sequence[int]) -> None:
-        """``catch_up`` with one llama.cpp thread per CPU of ``cpus``, called from a thread bound to them
-        (``CatchUpAhead``'s, while the target steps); its logits are not needed."""
+        """``catch_up`` in one llama.cpp thread, the calling one, bound to ``cpus`` (``CatchUpAhead``'s, while
+        the target steps: libgomp would bind a team's other threads to the target's CPUs); no logits needed."""
         saved = self.cpus
-        self._ll.llama_set_n_threads(self._ctx, len(cpus), len(cpus))
+        self._ll.llama_set_n_threads(self._ctx, 1, 1)
         self.cpus = cpus
         try:
             self.catch_up(req_ids, wanted, unchanged)

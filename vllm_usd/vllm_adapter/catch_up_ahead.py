@@ -9,12 +9,14 @@ while vLLM runs the next target step; the next ``propose`` calls ``wait`` before
 drafter. The controller reads the drafters as caught up (``RequestTable.catch_up_outlook``) and no longer
 prices the catch-up.
 
-It runs only where nothing another rank does can differ: one worker (several workers are bound to their
-own CPUs, and their drafters to those), a drafter that can run on given CPUs (llama.cpp), the
-draft-length controller's start-up timings, and a batch size at which some length ``could_pay``. A step
-feeds at most the tokens the drafter's prompt timing, scaled to the idle CPUs' share of its CPUs, fits into
-a plain target step. Every row it syncs it feeds (``RequestTable.sync``'s hint of unchanged tokens holds only
-for a drafter fed after every sync).
+The idle CPUs are the user's process's (``VLLM_USD_CPUS``, which vLLM's processes inherit) that the
+worker is not bound to. It runs only where nothing another rank does can differ: one worker (several are
+bound to CPUs of their own, which would look idle to each other), a drafter that can run in a given
+thread (llama.cpp), the draft-length controller's start-up timings, and a batch size at which some length
+``could_pay``. It feeds in one thread (libgomp would bind a team's other threads to the target's CPUs), at
+most the tokens that the drafter's prompt timing, scaled to one thread, fits into a plain target step.
+Every row it syncs it feeds (``RequestTable.sync``'s hint of unchanged tokens holds only for a drafter
+fed after every sync).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from vllm_usd import envs
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafting import DraftLengthController, RequestSampling, RequestTable
 
@@ -33,20 +36,21 @@ logger = logging.getLogger("vllm.usd")
 
 
 def idle_cpus(runtime: DrafterRuntime) -> frozenset[int]:
-    """The drafter's CPUs that this thread (vLLM's worker, bound to the target's CPUs) is not bound to,
-    where the drafter can run on given CPUs; empty otherwise."""
+    """The user's process's CPUs (``VLLM_USD_CPUS``) that this thread (vLLM's worker, bound to the target's
+    CPUs) is not bound to, where the drafter can run on given CPUs; empty otherwise."""
     if not hasattr(runtime, "catch_up_on") or not hasattr(os, "sched_getaffinity"):
         return frozenset()
-    return frozenset(runtime.cpus) - frozenset(os.sched_getaffinity(0))
+    return (envs.cpus() or frozenset()) - frozenset(os.sched_getaffinity(0))
 
 
 class CatchUpAhead:
     """Feeds drafters what they lack on idle CPUs between one ``propose`` and the next."""
 
-    def __init__(self, runtime: DrafterRuntime, requests: RequestTable) -> None:
+    def __init__(self, runtime: DrafterRuntime, requests: RequestTable, alone: bool) -> None:
+        """``alone``: the engine's only worker (others would be bound to the CPUs this one finds idle)."""
         self._runtime = runtime
         self._requests = requests
-        self._idle: frozenset[int] | None = None  # found at the first step: vLLM binds its worker after start-up
+        self._idle = None if alone else frozenset()  # found at the first step (vLLM binds its worker by then)
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future | None = None
 
@@ -113,9 +117,9 @@ class CatchUpAhead:
         return bool(self._idle) and any(controller.could_pay(batch, n) for n in range(1, controller.k + 1))
 
     def _budget(self, controller: DraftLengthController, batch: int) -> int:
-        """Tokens the idle CPUs feed while the target takes a plain step, both as timed at start-up (not as
-        measured: a cycle includes the wait for this feed): the drafter's longest timed prompt per token, on all
-        its CPUs, taken as proportionally slower on fewer."""
+        """Tokens one thread feeds while the target takes a plain step, both as timed at start-up (not as
+        measured: a cycle includes the wait for this feed): the drafter's longest timed prompt per token, on
+        its threads, taken as proportionally slower on one."""
         tokens, seconds = controller.timings.drafter_prefill[-1]
-        per_token = seconds / tokens * len(self._runtime.cpus) / len(self._idle)
+        per_token = seconds / tokens * len(self._runtime.cpus)
         return int(controller.timings.estimate(batch, 0) / per_token)

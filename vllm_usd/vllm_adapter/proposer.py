@@ -72,7 +72,7 @@ class UniversalProposer:
             max_requests=self._max_draft_rows(vllm_config),
             kv_budget_bytes=int(cfg.drafter_kv_budget_gb * (1 << 30)),
             revision=cfg.drafter_revision, trust_remote_code=trust,
-            cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(compat.workers(vllm_config)),
+            cuda_graphs=not compat.enforce_eager(vllm_config), cpus=drafter_cpus(),
             probe_on=compat.computed_on_tp_rank0, probe_timeout_s=self.probe_timeout_s, probe_child=self.probe_child,
             agree=compat.tp_any, catch_up_tokens=self.k + 1,
         )
@@ -100,7 +100,7 @@ class UniversalProposer:
             self.mapping, TargetRetokenizer(target_tokenizer, self.mapping.target_table), self.runtime,
             budget=string_budget, timer=self.timer, counters=self.requests.counters,
         ) if drafts_text else None
-        self.ahead = CatchUpAhead(self.runtime, self.requests)
+        self.ahead = CatchUpAhead(self.runtime, self.requests, alone=compat.workers(vllm_config) == 1)
         self.vllm_config = vllm_config
         # timed in load_model; until then (and without adaptive_length) the controller prices nothing
         self.controller: DraftLengthController | FixedLength = (
