@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -41,6 +42,13 @@ def idle_cpus(runtime: DrafterRuntime) -> frozenset[int]:
     if not hasattr(runtime, "catch_up_on") or not hasattr(os, "sched_getaffinity"):
         return frozenset()
     return (envs.cpus() or frozenset()) - frozenset(os.sched_getaffinity(0))
+
+
+def _bind_low(cpus: frozenset[int]) -> None:
+    """This thread onto ``cpus``, at the lowest priority: vLLM's engine-core process, whose CPU they are,
+    schedules every step and takes its CPU back at once."""
+    os.sched_setaffinity(0, cpus)
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
 
 
 class CatchUpAhead:
@@ -112,8 +120,8 @@ class CatchUpAhead:
         if self._idle is None:
             self._idle = idle_cpus(self._runtime)
             if self._idle:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-usd-catch-up",
-                                                initializer=os.sched_setaffinity, initargs=(0, self._idle))
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-usd-catch-up", initializer=_bind_low,
+                                                initargs=(self._idle,))
         return bool(self._idle) and any(controller.could_pay(batch, n) for n in range(1, controller.k + 1))
 
     def _budget(self, controller: DraftLengthController, batch: int) -> int:
