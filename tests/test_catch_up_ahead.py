@@ -144,3 +144,22 @@ def test_a_failure_while_feeding_ahead_is_counted_and_feeding_stays_off(pair_ggu
     for r in "gs":
         solo.add(r, runner.history[r], runner.requests[r].sampling_params)
     assert drafts == solo.step(fresh, {}) and all(len(d) == 3 for d in drafts.values())
+
+
+def test_a_step_about_to_draft_waits_while_its_drafters_are_fed_ahead(pair_gguf):
+    """Rows lacking more than one step's feed draft nothing (the controller said 3): the next steps feed them off
+    the target's CPUs, where drafting now would first read their prompts on the target's. Then they draft."""
+    p, runner = _proposer(pair_gguf), _requests(pair_gguf)
+    _force(p, 3)
+    waited, drafted_at = 0, None
+    with _bound_to_one_cpu():
+        for step in range(30):
+            drafts = runner.step(p, _next_tokens(p, runner, step) if step == 0 else
+                                 {r: (d[:1] or _next_tokens(p, runner, step)[r]) for r, d in drafts.items()})
+            if any(drafts.values()):
+                drafted_at = step
+                break
+            waited += step > 0 and p.counters["fed_ahead_tokens"] > 0
+    assert drafted_at is not None and waited >= 3, (drafted_at, waited, dict(p.counters))
+    lacking = sum(len(p.requests.get(r).translator.draft_ids) - len(p.runtime.cached_tokens(r)) for r in "gs")
+    assert lacking <= 0 and all(len(d) == 3 for d in drafts.values()), (lacking, drafts)

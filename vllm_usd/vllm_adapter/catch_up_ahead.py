@@ -113,6 +113,12 @@ class CatchUpAhead:
         self._requests.counters["fed_ahead_tokens"] += fed
         return fed
 
+    def feeds_first(self, controller: object, batch: int, missed: int) -> bool:
+        """Whether a step about to draft should wait instead: its rows' drafters lack ``missed`` tokens, more than
+        one step feeds ahead, and the next steps feed them at no cost to the target, where drafting now would
+        first read them on the target's CPUs."""
+        return self._usable(controller, batch) and missed > self._budget(controller, batch)
+
     def _usable(self, controller: object, batch: int) -> bool:
         timings = getattr(controller, "timings", None)
         if not isinstance(controller, DraftLengthController) or not (timings.target and timings.drafter_prefill):

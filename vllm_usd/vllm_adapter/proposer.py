@@ -10,6 +10,7 @@ the tensor-parallel ranks keep the step's drafts, or all drop them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -115,16 +116,14 @@ class UniversalProposer:
                                           needed=cfg.draft_mode != "string" and cfg.draft_sampling != "greedy")
         self._last_q: torch.Tensor | None = None
         self._runner = self._scheduler_output = None
-        self._last_end: float | None = None  # the last propose's end and start
-        self._last_start: float | None = None
+        self._last_end = self._last_start = None  # the last propose's end and start (perf_counter seconds)
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
             "%d matched by bytes only), k=%d, draft_mode=%s, draft_sampling=%s, adaptive_length=%s",
             self.config.drafter, time.perf_counter() - started, self.choice.runtime, self.choice.dtype,
-            self.choice.device, self.mapping.size,
-            100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
-            self.mapping.byte_only_matches, self.k, cfg.draft_mode, cfg.draft_sampling, cfg.adaptive_length,
-        )
+            self.choice.device, self.mapping.size, 100 * self.mapping.size / max(self.mapping.draft_table.size, 1),
+            self.mapping.draft_table.size, self.mapping.byte_only_matches, self.k, cfg.draft_mode,
+            cfg.draft_sampling, cfg.adaptive_length)
 
     def _max_draft_rows(self, vllm_config: Any) -> int:
         """usd.drafter_max_num_seqs: the q buffer's rows and the drafter's requests; a step with more rows
@@ -193,8 +192,7 @@ class UniversalProposer:
                 + f" until measured, {self.controller.outlook(batches)}")
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
-        self._runner = runner
-        self._scheduler_output = scheduler_output
+        self._runner, self._scheduler_output = runner, scheduler_output
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         q, self._last_q = self._last_q, None
@@ -224,9 +222,8 @@ class UniversalProposer:
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
             "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
-            "failures": dict(self.failures.by_reason),
+            "failures": dict(self.failures.by_reason), "startup": self.startup_line,
             "native_settings": dataclasses.asdict(self.choice.native) if self.choice.native else None,
-            "startup": self.startup_line,
             "controller": self.controller.state(), "controller_summary": self.controller.summary(),
         }
 
@@ -305,10 +302,13 @@ class UniversalProposer:
         self._length = 0
         if failure is None and batch and fits:
             try:
-                self._length = controller.length(batch, lambda: self.requests.catch_up_outlook(
+                outlook = functools.cache(lambda: self.requests.catch_up_outlook(  # asked only where a step drafts
                     compat.runner_req_ids(self._runner), sampled_token_ids, num_tokens, self._sampling)
-                    if self._runner is not None else (0, 0.0),
-                    greedy=int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
+                    if self._runner is not None else (0, 0.0))
+                self._length = controller.length(batch, outlook, greedy=int(np.count_nonzero(
+                    greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
+                if self._length and self.ahead.feeds_first(controller, batch, outlook()[0]):
+                    self._length = 0  # the drafters are fed ahead over the next steps, off the target's CPUs
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
