@@ -14,9 +14,9 @@ from vllm_usd.drafting import DraftLengthController, StartupTimings
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a CPU for the target and an idle one")
 
-# a plain step of 10 ms and a drafter reading a 32-token prompt in 32 ms on its two threads (this process
-# is unbound when the proposer starts): 1 ms a token there, 2 ms in one thread, so 5 tokens are fed a step
-TIMINGS = StartupTimings(target=((1, 0.010), (4, 0.010)), drafter=((1, 0.001),), drafter_prefill=((32, 0.032),))
+# a plain step of 20 ms and a drafter reading a 32-token prompt in 32 ms on its two threads (this process
+# is unbound when the proposer starts): 1 ms a token there, 2 ms in one thread, so 5 tokens are fed in half a step
+TIMINGS = StartupTimings(target=((1, 0.020), (4, 0.020)), drafter=((1, 0.001),), drafter_prefill=((32, 0.032),))
 PER_STEP = 5
 
 

@@ -14,7 +14,7 @@ worker is not bound to. It runs only where nothing another rank does can differ:
 bound to CPUs of their own, which would look idle to each other), a drafter that can run in a given
 thread (llama.cpp), the draft-length controller's start-up timings, and a batch size at which some length
 ``could_pay``. It feeds in one thread (libgomp would bind a team's other threads to the target's CPUs), at
-most the tokens that the drafter's prompt timing, scaled to one thread, fits into a plain target step.
+most the tokens that the drafter's prompt timing, scaled to one thread, fits into half a plain target step.
 Every row it syncs it feeds (``RequestTable.sync``'s hint of unchanged tokens holds only for a drafter
 fed after every sync).
 """
@@ -131,9 +131,10 @@ class CatchUpAhead:
         return bool(self._idle) and any(controller.could_pay(batch, n) for n in range(1, controller.k + 1))
 
     def _budget(self, controller: DraftLengthController, batch: int) -> int:
-        """Tokens one thread feeds while the target takes a plain step, both as timed at start-up (not as
-        measured: a cycle includes the wait for this feed): the drafter's longest timed prompt per token, on
-        its threads, taken as proportionally slower on one."""
+        """Tokens one thread feeds in half the time the target takes a plain step (the other half is left to
+        vLLM's engine core, which shares the CPU and goes first), both as timed at start-up (not as measured: a
+        cycle includes any wait for this feed): the drafter's longest timed prompt per token, on its threads,
+        taken as proportionally slower on one."""
         tokens, seconds = controller.timings.drafter_prefill[-1]
         per_token = seconds / tokens * len(self._runtime.cpus)
-        return int(controller.timings.estimate(batch, 0) / per_token)
+        return int(controller.timings.estimate(batch, 0) / 2 / per_token)
