@@ -119,18 +119,6 @@ class SlowTargetProposer(UniversalProposer):
         return dataclasses.replace(timings, target=tuple((n, s + self.SLOWER) for n, s in timings.target))
 
 
-class AlternatingLengthProposer(SlowTargetProposer):
-    """Not a bug: adaptive_length's controller with its length forced to 0 and k on alternate steps, so that
-    every drafted step follows a plain one, after which the drafters were fed ahead on the idle CPUs."""
-
-    def load_model(self, target_model):
-        import itertools
-
-        super().load_model(target_model)
-        steps = itertools.count()
-        self.controller.length = lambda batch, catch_up=None, greedy=0: self.k * (next(steps) % 2)
-
-
 _FIXED_EXPAND: list[Any] = []  # a worker's fixed expand_batch_to_tokens while NoCpuFixProposer is planted
 
 

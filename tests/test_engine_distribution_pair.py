@@ -26,13 +26,11 @@ proposer they are compared with (``tests.faults.planted``), after its own checks
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.engines import engine, proposer_stats, spec_counts, token_ids
-from tests.faults import (AlternatingLengthProposer, CrashWithExtraBuffersProbeProposer, NoCpuFixProposer,
-                          OmitQProposer, ScrambleQProposer, StringWithQProposer, planted)
+from tests.faults import (CrashWithExtraBuffersProbeProposer, NoCpuFixProposer, OmitQProposer, ScrambleQProposer,
+                          StringWithQProposer, planted)
 from tests.prompts import LOWERCASE
 from tests.stats import ALPHA, homogeneity_pvalue
 
@@ -332,20 +330,6 @@ def test_each_llama_cpp_setting_is_lossless(pair, baseline, drafter_gguf, probe_
     p = homogeneity_pvalue(baseline["t1"], run["t1"])
     print(f"llama.cpp drafter ({stats['drafter_probe']}): p = {p:.2e}")
     assert p >= ALPHA, f"USD with a llama.cpp drafter changed the output distribution: p = {p:.2e}"
-
-
-def test_drafters_fed_ahead_in_the_worker_keep_greedy_output(pair, baseline, drafter_gguf):
-    """In the worker, bound by vLLM to the target's CPUs, the llama.cpp drafters are fed ahead on the CPU left
-    idle after every plain step (tests.faults.AlternatingLengthProposer), and the drafts of the step after
-    keep greedy output equal to the target alone's."""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs a CPU the target's worker is not bound to")
-    target, drafter = pair
-    with engine(target, drafter=drafter, k=3, max_num_seqs=256, proposer=AlternatingLengthProposer,
-                usd={**_llama_cpp_usd(drafter_gguf), "adaptive_length": True}) as llm:
-        greedy, accepted, stats = _greedy(llm), spec_counts(llm)["accepted"], proposer_stats(llm)
-    assert stats["failures"] == {} and stats["counters"].get("fed_ahead_tokens", 0) > 0, stats["counters"]
-    assert greedy == baseline["greedy"] and accepted > 0
 
 
 def test_llama_cpp_planted_bug_is_caught(baseline, usd_llama_cpp):

@@ -43,7 +43,7 @@ def test_greedy_batch_drafts_k_shared_tokens_and_no_q(pair):
     for d in drafts.values():
         assert len(d) == 3 and set(d) <= shared
     assert p.take_last_draft_probs() is None, "all-greedy batches hand no q"
-    assert len(p.requests) == 2 and p.runtime.num_requests == 2
+    assert p.num_request_states == 2 and p.runtime.num_requests == 2
 
 
 def test_the_catch_up_outlook_counts_what_the_drafter_would_catch_up_on_and_the_tokens_left(pair):
@@ -144,21 +144,21 @@ def test_finished_and_preempted_requests_are_freed_and_rebuilt(pair):
     for r, text in (("a", " the keeper"), ("b", " a small"), ("c", " it was")):
         runner.add(r, _prompt(pair, text))
     first = runner.step(p, {})
-    assert len(p.requests) == 3
+    assert p.num_request_states == 3
     runner.remove("a")
     runner.step(p, {"b": first["b"][:1], "c": first["c"][:1]}, finished={"a"})
-    assert len(p.requests) == 2 and not p.runtime.has("a")
+    assert p.num_request_states == 2 and not p.runtime.has("a")
     # "b" is preempted (leaves the batch), then resumes from its full history
     runner.input_batch.req_ids.remove("b")
     runner.step(p, {"c": [first["c"][1]]}, preempted={"b"})
-    assert len(p.requests) == 1 and not p.runtime.has("b")
+    assert p.num_request_states == 1 and not p.runtime.has("b")
     runner.input_batch.req_ids.append("b")
     resumed = runner.step(p, {"c": [first["c"][2]]})
     fresh = _proposer(pair)
     solo = FakeRunner()
     solo.add("b", runner.history["b"])
     assert resumed["b"] == solo.step(fresh, {})["b"], "a resumed request drafts as if new"
-    assert len(p.requests) == 2
+    assert p.num_request_states == 2
 
 
 def test_prefill_rows_and_drafter_context_limit(pair):
@@ -227,7 +227,7 @@ def test_a_failing_step_returns_no_drafts_and_recovers(pair, monkeypatch):
     monkeypatch.setattr(p.runtime, "forward", boom)
     drafts = runner.step(p, {})
     assert drafts == {"a": [], "b": []} and p.take_last_draft_probs() is None
-    assert p.counters["failed_steps"] == 1 and len(p.requests) == 0
+    assert p.counters["failed_steps"] == 1 and p.num_request_states == 0
     monkeypatch.undo()
     drafts = runner.step(p, {"a": [5], "b": [6]})
     assert drafts["a"] and drafts["b"]
@@ -253,7 +253,7 @@ def test_no_drafts_once_max_tokens_is_reached(pair):
     assert drafts["short"] and drafts["long"]
     drafts = runner.step(p, {"short": [7], "long": [8]})  # "short" now has its 2 tokens: it ends
     assert drafts["short"] == [] and drafts["long"]
-    assert not p.runtime.has("short") and len(p.requests) == 1
+    assert not p.runtime.has("short") and p.num_request_states == 1
 
 
 def _two_ranks(pair, cls) -> list[list[str]]:

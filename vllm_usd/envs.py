@@ -15,10 +15,6 @@ the package, so that this file is the whole list:
     VLLM_USD_METRICS_DIR=DIR     where workers leave their drafting-failure counts for the Prometheus
                                  collector in the user's process; set there before the engine starts
                                  (vllm_adapter/failures.py), a fresh temporary folder by default
-    VLLM_USD_CPUS=0,1            the CPUs a lone worker's llama.cpp drafter runs on, one thread each (a
-                                 comma-separated list); register() sets it, unless set, to the CPUs of the
-                                 first process that loads vllm-usd (the user's, which vLLM does not bind),
-                                 and vLLM's processes inherit it
     VLLM_USD_CPU_GRAPHS=1        on the CPU, the transformers drafter's decode steps go through the
                                  graph path too: captured at start-up by drafter/graph_double.py, the
                                  strict stand-in for CUDA graphs, and replayed (tests; slower than eager)
@@ -34,9 +30,8 @@ SKIP_FINGERPRINTS = "VLLM_USD_SKIP_FINGERPRINTS"
 CACHE = "VLLM_USD_CACHE"
 METRICS_DIR = "VLLM_USD_METRICS_DIR"
 CPU_GRAPHS = "VLLM_USD_CPU_GRAPHS"
-CPUS = "VLLM_USD_CPUS"
 
-ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE, METRICS_DIR, CPU_GRAPHS, CPUS)
+ALL = (DISABLE, FIX_CPU_SAMPLER, SKIP_FINGERPRINTS, CACHE, METRICS_DIR, CPU_GRAPHS)
 
 
 def _flag(name: str) -> bool:
@@ -75,17 +70,3 @@ def metrics_dir() -> str | None:
 def set_metrics_dir(path: str) -> None:
     """Every engine process started from now on leaves its failure counts in ``path``."""
     os.environ[METRICS_DIR] = path
-
-
-def cpus() -> frozenset[int] | None:
-    """VLLM_USD_CPUS, or None where unset or not a list of CPU numbers."""
-    try:
-        found = frozenset(int(cpu) for cpu in os.environ.get(CPUS, "").split(","))
-    except ValueError:
-        return None
-    return found or None
-
-
-def set_cpus_once(found: set[int] | frozenset[int]) -> None:
-    """VLLM_USD_CPUS for every process started from now on, unless already set (by the user, or by a parent)."""
-    os.environ.setdefault(CPUS, ",".join(map(str, sorted(found))))

@@ -132,14 +132,15 @@ class DrafterRuntime(ABC):
         to match what is cached; the rest is compared, so accepted drafts keep their
         KV and only what differs is run again (at least the last token).
         """
-        keep = [min(self.cached_prefix(req_id, seq, known), len(seq) - 1)
-                for req_id, seq, known in zip(req_ids, wanted, unchanged)]
-        return self.forward(req_ids, keep, [list(seq[same:]) for seq, same in zip(wanted, keep)])
-
-    def cached_prefix(self, req_id: str, seq: Sequence[int], known: int) -> int:
-        """How many leading tokens of ``seq`` the cache holds (its first ``known`` are taken as held)."""
-        cached = self.cached_tokens(req_id)
-        same, limit = min(known, len(cached)), min(len(cached), len(seq))
-        while same < limit and cached[same] == seq[same]:
-            same += 1
-        return same
+        keep: list[int] = []
+        new: list[list[int]] = []
+        for req_id, seq, known in zip(req_ids, wanted, unchanged):
+            cached = self.cached_tokens(req_id)
+            same = min(known, len(cached))
+            limit = min(len(cached), len(seq))
+            while same < limit and cached[same] == seq[same]:
+                same += 1
+            same = min(same, len(seq) - 1)
+            keep.append(same)
+            new.append(list(seq[same:]))
+        return self.forward(req_ids, keep, new)

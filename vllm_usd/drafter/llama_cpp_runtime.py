@@ -21,7 +21,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm_usd import envs
 from vllm_usd.drafter.base import DrafterRuntime
 
 logger = logging.getLogger("vllm.usd")
@@ -55,19 +54,11 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def remember_process_cpus() -> None:
-    """Hand the CPUs this process may run on to the processes vLLM starts from it (``VLLM_USD_CPUS``, unless
-    set). The first process to load the plugin is the user's, which vLLM does not bind; a worker cannot
-    tell for itself: libgomp binds its threads to the target's CPUs when torch is imported, before any
-    plugin runs."""
-    if hasattr(os, "sched_getaffinity"):
-        envs.set_cpus_once(os.sched_getaffinity(0))
-
-
 def drafter_cpus() -> frozenset[int]:
     """The CPUs llama.cpp drafts on, a thread each: the calling thread's. In vLLM's CPU worker those are the
-    target's (the worker and its drafter take turns), and no more can serve: llama.cpp's threads are
-    OpenMP's, and libgomp binds every one of a worker's to the target's CPUs (``GOMP_CPU_AFFINITY``)."""
+    target's (the worker and its drafter take turns on them), and no more can serve: llama.cpp's threads are
+    OpenMP's, and libgomp binds every one of a worker's to the target's CPUs (``GOMP_CPU_AFFINITY``, applied
+    when torch is imported, before any plugin runs; docs/cpu.md, "Correction")."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return frozenset(range(os.cpu_count() or 1))
     return frozenset(os.sched_getaffinity(0))
@@ -250,19 +241,6 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         for start in range(0, len(entries), BATCH_TOKENS):
             self._decode(entries[start:start + BATCH_TOKENS], out)
         return out
-
-    def catch_up_on(self, cpus: frozenset[int], req_ids: Sequence[str], wanted: Sequence[Sequence[int]],
-                    unchanged: Sequence[int]) -> None:
-        """``catch_up`` in one llama.cpp thread, the calling one, bound to ``cpus`` (``CatchUpAhead``'s, while
-        the target steps: libgomp would bind a team's other threads to the target's CPUs); no logits needed."""
-        saved = self.cpus
-        self._ll.llama_set_n_threads(self._ctx, 1, 1)
-        self.cpus = cpus
-        try:
-            self.catch_up(req_ids, wanted, unchanged)
-        finally:
-            self.cpus = saved
-            self._ll.llama_set_n_threads(self._ctx, self.threads, self.threads)
 
     def _on_drafter_cpus(self, call, *args):
         """``call(*args)`` with this thread's affinity widened to the drafter's CPUs: llama.cpp's

@@ -20,23 +20,25 @@ Two things are kept, both from what the engine did:
 A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
 ``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
 the plain step's cost; the mean over the rows, greedy and sampled). Ties go to the shorter length.
-Where the rows' drafters lack context (a new request's prompt, tokens emitted while nothing was drafted,
-less what was fed to them ahead on idle CPUs), the step drafts only if what drafting saves over the
-tokens the rows have left (per max_tokens) exceeds that catch-up, priced as a prompt of that many tokens
-(timed at start-up). Now and then a step takes another length, the one tried least recently (never
-tried first, the shorter on a tie) of plain and those that ``could_pay``, so that a length that looked
-worse is measured again: in each bucket, once the steps since its last such step number
-``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length explored after a plain
-step is taken twice where the next step's rows have caught up (the same requests): the first cycle
-pays the catch-up, the second is measured.
+Where the rows' drafters lack context (a new request's prompt, or tokens emitted while nothing was
+drafted), the step drafts only if what drafting saves over the tokens the rows have left (as far as
+max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
+forward timed at start-up): the drafter's prompt is paid once per request, where it pays back.
+Now and then a step takes another length, the one tried least recently (never tried first,
+the shorter on a tie) of plain and those that would beat plain at the start-up estimate were every
+draft accepted, so that a length that looked worse is measured again: in each bucket, once the steps since its last
+such step number ``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length explored
+after a plain step is taken twice where the next step's rows have caught up (the same requests): the
+first cycle pays the catch-up, the second is measured.
 
 **What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
 compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
 which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a gain
 when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
-exploring step is expected to lose (its catch-up included) stays within ``LOSS_BUDGET`` of the
-time its cycles took. The best length is not held to the budget (a request's first drafted step
-pays the catch-up before its drafts pay it back). Where drafting
+exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
+priced as a prompt of that many tokens, as timed at start-up), stays within
+``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget (a
+request's first drafted step pays the catch-up before its drafts pay it back). Where drafting
 never pays, the loss is exploring's (at most ``LOSS_BUDGET`` of the served time, plus what the
 cycles until the next share lose) and the prior's (the first few rejections: it weighs 2 drafts).
 
@@ -237,7 +239,9 @@ class DraftLengthController:
         share = self._greedy_share[b] = min(greedy / batch, 1.0) if batch > 0 else 0.0
         rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
-        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or self.could_pay(batch, n))),
+        # not at measured costs: a length once mismeasured would never be measured again
+        est = self.timings.estimate
+        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) * est(batch, 0) > est(batch, n))),
                     key=lambda n: (self._tried_at.get((b, n), -1), n), default=best)
         self._since_explore[b] += 1
         chosen, outlook = best, None
@@ -260,11 +264,6 @@ class DraftLengthController:
                     self._measuring[b] = (other, self._steps)
         self.current[b] = chosen
         return chosen
-
-    def could_pay(self, batch: int, length: int) -> bool:
-        """Whether ``length`` drafts would beat plain with every draft accepted, at the start-up estimate (not at
-        measured costs: a length once mismeasured would never be measured again)."""
-        return (1 + length) * self.timings.estimate(batch, 0) > self.timings.estimate(batch, length)
 
     def _catch_up_pays(self, batch: int, length: int, greedy_share: float, missed: int, left: float) -> bool:
         """Whether drafting ``length`` from now on saves more over the ``left`` tokens each row has left (a plain

