@@ -243,8 +243,9 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         return out
 
     def _on_drafter_cpus(self, call, *args):
-        """``call(*args)`` with this thread's affinity widened to the drafter's CPUs: llama.cpp's
-        threads start from this one and inherit its affinity (vLLM binds it to the target's cores)."""
+        """``call(*args)`` with this thread's affinity set to the drafter's CPUs, where a caller chose others
+        than its own (the native probe's child, ``fastest_here``: a subset to time on). Where libgomp binds
+        OpenMP's threads (vLLM's worker: ``GOMP_CPU_AFFINITY``) this cannot move the rest of llama.cpp's team."""
         saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else self.cpus
         if saved == self.cpus:
             return call(*args)
