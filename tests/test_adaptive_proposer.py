@@ -140,10 +140,11 @@ def test_load_model_times_the_drafter_and_it_drafts_from_the_first_step():
 def test_every_rank_takes_rank_0s_startup_timings_and_measured_costs(monkeypatch):
     from vllm_usd.vllm_adapter import compat
 
-    rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)), drafter_prefill=((32, 0.7),))
+    rank0 = StartupTimings(target=((1, 0.1), (16, 0.1)), drafter=((1, 0.5), (4, 0.5)), drafter_prefill=((32, 0.7),),
+                           verify=((1, 0.3),))
     shared = {(1, 0): (1.0, 8), (1, 1): (9.0, 8), (1, 2): (9.0, 8), (1, 3): (9.0, 8)}
     monkeypatch.setattr(compat, "computed_on_tp_rank0", lambda compute: (rank0.drafter, rank0.drafter_prefill))
-    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: rank0.target)
+    monkeypatch.setattr(compat, "tp_broadcast_from_rank0", lambda obj: (rank0.target, rank0.verify))
     monkeypatch.setattr(compat, "tp_vote", lambda flag, payload=None: (
         flag, None if payload is None else {"cells": shared, "loss": {}}))
     p = _loaded()
@@ -257,3 +258,19 @@ def test_a_controller_failure_drops_the_step_and_the_vote_still_happens(monkeypa
     for _ in range(3):
         assert runner.step(p, {}) == {"a": []}
     assert calls == ["tp_vote"] * 3 and p.stats()["failures"] == {"RuntimeError": 3}, (calls, p.stats()["failures"])
+
+
+def test_the_startup_stand_in_for_verifying_sampled_drafts_draws_from_the_targets_probabilities():
+    """``verify_sampled``, timed at start-up as what vLLM's rejection sampler adds per sampled drafted row, does
+    that row's work: a token drawn from the softmax of its logits. A dominant logit is always drawn; two equal
+    logits are each drawn about half of 2,000 times (|count - 1,000| < 110: 4.9 sd of a binomial, a false
+    alarm about once in a million runs), and a -inf one never. Planted: an argmax of the probabilities (no
+    draw) returns the first of the two every time."""
+    from vllm_usd.vllm_adapter.target_timing import verify_sampled
+
+    assert verify_sampled(torch.tensor([[0.0, 30.0, 0.0], [30.0, 0.0, 0.0]])).tolist() == [1, 0]
+    draws = verify_sampled(torch.tensor([[0.0, 0.0, float("-inf")]] * 2000))
+    counts = torch.bincount(draws, minlength=3).tolist()
+    assert counts[2] == 0 and abs(counts[0] - 1000) < 110, counts
+    planted = torch.tensor([[0.0, 0.0, float("-inf")]] * 2000).softmax(-1).argmax(-1)
+    assert abs(torch.bincount(planted, minlength=3)[0].item() - 1000) >= 110, "the planted bug is caught"

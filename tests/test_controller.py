@@ -245,6 +245,28 @@ def test_a_catch_up_is_priced_as_a_prompt_where_the_drafters_first_forward_was_t
     assert timed.catch_up(0) == 0.0 and StartupTimings(drafter=drafter).catch_up(100) == 0.0
 
 
+def test_verifying_sampled_drafts_is_priced_for_sampled_rows_only():
+    """What verifying a sampled draft adds (timed at start-up; 50 ms a drafted row here) is priced at the step's
+    share of sampled rows. At the prior (1 of 2 accepted at each position) a sampled row drafting L costs
+    0.1 + 0.01 L + 0.05 L s for 1.5, 1.75 or 1.875 tokens, which never beats 1 token in 0.1 s; a greedy row
+    drafts 2 (1.75 tokens in 0.12 s, against 1.5 in 0.11 and 1.875 in 0.13), as a sampled one did unpriced."""
+    timed = StartupTimings(target=TIMINGS.target, drafter=TIMINGS.drafter, verify=((1, 0.050), (3, 0.150)))
+    assert timed.estimate(1, 3) == pytest.approx(0.100 + 0.030 + 0.150)
+    assert timed.estimate(1, 3, sampled=0.0) == pytest.approx(0.130) == pytest.approx(TIMINGS.estimate(1, 3))
+    assert timed.estimate(1, 2, sampled=0.5) == pytest.approx(0.100 + 0.020 + 0.5 * 0.100)
+    assert timed.estimate(1, 0) == pytest.approx(0.100), "a step without drafts verifies none"
+    assert DraftLengthController(3, timed).length(1, greedy=0) == 0
+    assert DraftLengthController(3, timed).length(1, greedy=1) == 2
+    assert DraftLengthController(3, TIMINGS).length(1, greedy=0) == 2
+    measured = DraftLengthController(3, timed)
+    measured.length(1, greedy=0)
+    for _ in range(4):  # sampled cycles measured as estimated with their verification: scale 1
+        measured.record_cycle(1, 3, timed.estimate(1, 3))
+    for _ in range(SHARE_EVERY):
+        _share(measured)
+    assert measured.shared[(0, 3)][0] == pytest.approx(1.0)
+
+
 def test_the_outlook_and_summary_say_why_at_each_batch_size():
     c = _accepting(4)
     assert c.outlook([1, 2, 4, 8]).startswith("drafting pays at batch 1: yes, 3 drafts ")

@@ -2,49 +2,46 @@
 
 Two things are kept, both from what the engine did:
 
-* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they draft
-  differently: by default greedy rows draft text, sampled rows TLI with q): of the drafts vLLM scheduled for
-  verification at position j (all before it accepted), the share accepted. A request emitting ``a + 1``
-  tokens after ``n`` scheduled drafts had positions ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted.
-  Drafts vLLM trimmed (token budget, structured output) were never offered. The counts start at 1 accepted
-  of 2 offered and fade with the steps served (about the last ``ACCEPTANCE_MEMORY`` count), never below the
-  weight of 2 drafts: after steps without drafts, the next drafts (exploring's) soon outweigh the estimate.
-* **the cost of an engine cycle** (one propose, the drafting it did, and the target step that verified it:
-  start of one propose to the start of the next) for each batch-size bucket (1, 2-3, 4-7, ...) and length:
-  the start-up estimate (the target's forward timed at the cycle's token count, plus the drafter's forwards
-  timed at that batch) times how far such estimates were off, measured: the median of measured/estimated
-  over the cell's last ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has none yet, or over
-  every bucket's. Only cycles in which every request decoded are measured: a prefill costs by its prompt. Not
-  a drafted cycle right after a plain one: its drafter catches up on what its rows missed, once (the budget counts it).
+* **acceptance per draft position**, over all requests, apart for greedy and sampled rows (they draft differently:
+  by default greedy rows draft text, sampled rows TLI with q): of the drafts vLLM scheduled for verification at
+  position j (all before it accepted), the share accepted. A request emitting ``a + 1`` tokens after ``n`` scheduled
+  drafts had positions ``0..min(a, n - 1)`` offered and ``0..a - 1`` accepted. Drafts vLLM trimmed (token budget,
+  structured output) were never offered. The counts start at 1 accepted of 2 offered and fade with the steps served
+  (about the last ``ACCEPTANCE_MEMORY`` count), never below the weight of 2 drafts: after steps without drafts, the
+  next drafts (exploring's) soon outweigh the estimate.
+* **the cost of an engine cycle** (one propose, the drafting it did, and the target step that verified it: start of
+  one propose to the start of the next) for each batch-size bucket (1, 2-3, 4-7, ...) and length: the start-up
+  estimate (the target's forward timed at the cycle's token count, the drafter's forwards timed at that batch, and
+  what verifying the bucket's share of sampled drafts adds) times how far such estimates were off, measured: the
+  median of measured/estimated over the cell's last ``CYCLES_KEPT`` cycles, or over its bucket's where the cell has
+  none yet, or over every bucket's. Only cycles in which every request decoded are measured: a prefill costs by its
+  prompt. Not a drafted cycle right after a plain one: its drafter catches up on what its rows missed, once (the
+  budget counts it).
 
-A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with
-``E(L) = 1 + a_0 + a_0 a_1 + ...`` the tokens a row is expected to emit (L = 0: one token, at
-the plain step's cost; the mean over the rows, greedy and sampled). Ties go to the shorter length.
-Where the rows' drafters lack context (a new request's prompt, or tokens emitted while nothing was
-drafted), the step drafts only if what drafting saves over the tokens the rows have left (as far as
-max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's first
-forward timed at start-up): the drafter's prompt is paid once per request, where it pays back.
-Now and then a step takes another length, the one tried least recently (never tried first,
-the shorter on a tie) of plain and those that would beat plain at the start-up estimate were every
-draft accepted, so that a length that looked worse is measured again: in each bucket, once the steps since its last
-such step number ``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length explored
-after a plain step is taken twice where the next step's rows have caught up (the same requests): the
-first cycle pays the catch-up, the second is measured.
+A step of ``batch`` rows gets the length L maximising ``E(L) / cost(batch, L)``, with ``E(L) = 1 + a_0 + a_0 a_1``
+``+ ...`` the tokens a row is expected to emit (L = 0: one token, at the plain step's cost; the mean over the rows,
+greedy and sampled). Ties go to the shorter length. Where the rows' drafters lack context (a new request's prompt,
+or tokens emitted while nothing was drafted), the step drafts only if what drafting saves over the tokens the rows
+have left (as far as max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's
+first forward timed at start-up): the drafter's prompt is paid once per request, where it pays back. Now and then a
+step takes another length, the one tried least recently (never tried first, the shorter on a tie) of plain and those
+that would beat plain at the start-up estimate were every draft accepted, so that a length that looked worse is
+measured again: in each bucket, once the steps since its last such step number ``EXPLORE_EVERY`` times that length's
+cost over the best's. A drafted length explored after a plain step is taken twice where the next step's rows have
+caught up (the same requests): the first cycle pays the catch-up, the second is measured.
 
-**What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is
-compared with the target alone: it took ``seconds`` and its rows emitted ``t`` tokens each,
-which plain cycles would have taken ``t x cost(batch, 0)`` to emit; the difference (a gain
-when negative) adds to its bucket's loss. A bucket explores only while its loss, with what the
-exploring step is expected to lose (the drafter's catch-up on what its rows missed included,
-priced as a prompt of that many tokens, as timed at start-up), stays within
-``LOSS_BUDGET`` of the time its cycles took. The best length is not held to the budget (a
-request's first drafted step pays the catch-up before its drafts pay it back). Where drafting
-never pays, the loss is exploring's (at most ``LOSS_BUDGET`` of the served time, plus what the
-cycles until the next share lose) and the prior's (the first few rejections: it weighs 2 drafts).
+**What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is compared with the target
+alone: it took ``seconds`` and its rows emitted ``t`` tokens each, which plain cycles would have taken
+``t x cost(batch, 0)`` to emit; the difference (a gain when negative) adds to its bucket's loss. A bucket explores
+only while its loss, with what the exploring step is expected to lose (the drafter's catch-up on what its rows missed
+included, priced as a prompt of that many tokens, as timed at start-up), stays within ``LOSS_BUDGET`` of the time its
+cycles took. The best length is not held to the budget (a request's first drafted step pays the catch-up before its
+drafts pay it back). Where drafting never pays, the loss is exploring's (at most ``LOSS_BUDGET`` of the served time,
+plus what the cycles until the next share lose) and the prior's (the first few rejections: it weighs 2 drafts).
 
-Tensor parallelism: acceptance comes from the tokens every rank samples alike, the step counts
-are alike, and the cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's one
-collective (the start-up timings once): every rank chooses the same length.
+Tensor parallelism: acceptance comes from the tokens every rank samples alike, the step counts are alike, and the
+cycle costs are rank 0's, sent every ``SHARE_EVERY`` steps with the step's one collective (the start-up timings
+once): every rank chooses the same length.
 """
 
 from __future__ import annotations
@@ -86,20 +83,23 @@ def interpolate(points: Sequence[tuple[int, float]], x: int) -> float:
 @dataclass(frozen=True)
 class StartupTimings:
     """Seconds measured before serving: the target's forward at token counts, a one-token drafter
-    forward at batch sizes, a new drafter request's first forward at prompt lengths. Any may be empty
-    (not timed): then it prices nothing."""
+    forward at batch sizes, a new drafter request's first forward at prompt lengths, and what verifying
+    sampled drafts adds at drafted-row counts (their probabilities and a recovered token over the target's
+    vocabulary; greedy rows take an argmax). Any may be empty (not timed): then it prices nothing."""
 
     target: tuple[tuple[int, float], ...] = ()
     drafter: tuple[tuple[int, float], ...] = ()
     drafter_prefill: tuple[tuple[int, float], ...] = ()
+    verify: tuple[tuple[int, float], ...] = ()
 
-    def estimate(self, batch: int, length: int) -> float:
-        """A cycle of ``batch`` rows drafting ``length`` each; without the target's timing, 1.0 for every
-        cycle (the drafter's timing alone has no unit to join)."""
+    def estimate(self, batch: int, length: int, sampled: float = 1.0) -> float:
+        """A cycle of ``batch`` rows drafting ``length`` each, a ``sampled`` share of them sampled; without the
+        target's timing, 1.0 for every cycle (the drafter's timing alone has no unit to join)."""
         if not self.target:
             return 1.0
         drafter = interpolate(self.drafter, batch) if self.drafter else 0.0
-        return max(interpolate(self.target, batch * (1 + length)) + length * drafter, 1e-9)
+        verify = sampled * interpolate(self.verify, batch * length) if self.verify and length else 0.0
+        return max(interpolate(self.target, batch * (1 + length)) + length * drafter + verify, 1e-9)
 
     def catch_up(self, tokens: int) -> float:
         """The drafter's forward over ``tokens`` missed tokens, priced as a prompt of that many (without
@@ -123,15 +123,13 @@ class _Acceptance:
             fade = (1.0 - 1.0 / ACCEPTANCE_MEMORY) ** (step - self._step)
             for j, offered in enumerate(self.offered):  # the share accepted is kept; only its weight fades
                 scale = max(fade, min(ACCEPTANCE_PRIOR[1] / offered, 1.0))
-                self.accepted[j] *= scale
-                self.offered[j] *= scale
+                self.accepted[j], self.offered[j] = self.accepted[j] * scale, offered * scale
             self._step = step
 
     def add(self, step: int, scheduled: int, num_accepted: int) -> None:
         self._fade_to(step)
         for j in range(min(num_accepted + 1, scheduled)):
-            self.offered[j] += 1.0
-            self.accepted[j] += float(j < num_accepted)
+            self.accepted[j], self.offered[j] = self.accepted[j] + float(j < num_accepted), self.offered[j] + 1.0
 
     def rates(self, step: int) -> list[float]:
         self._fade_to(step)
@@ -179,7 +177,7 @@ class DraftLengthController:
             cell = (bucket(batch), length)
             self._tried_at[cell] = self._steps
             if not (length and previous == 0):  # a first drafted cycle pays a one-off catch-up: the budget's
-                self._ratios[cell].append(seconds / self.timings.estimate(batch, length))
+                self._ratios[cell].append(seconds / self._estimate(batch, length))
             loss = self._loss[cell[0]]
             loss[1] += seconds
             if length and tokens_per_row:
@@ -222,7 +220,11 @@ class DraftLengthController:
         if cell is None:
             same_bucket = [cell[0] for (cb, _), cell in self.shared.items() if cb == b]
             cell = (statistics.median(same_bucket or [cell[0] for cell in self.shared.values()] or [1.0]),)
-        return self.timings.estimate(batch, length) * max(cell[0], 1e-9)
+        return self._estimate(batch, length) * max(cell[0], 1e-9)
+
+    def _estimate(self, batch: int, length: int) -> float:
+        """The start-up estimate of a cycle, at the share of sampled rows its bucket's last step had."""
+        return self.timings.estimate(batch, length, 1.0 - self._greedy_share.get(bucket(batch), 0.0))
 
     def rates(self, batch: int, greedy_share: float = 0.0) -> list[float]:
         """Expected tokens per second per row at each length 0..k."""
@@ -240,7 +242,7 @@ class DraftLengthController:
         rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         # not at measured costs: a length once mismeasured would never be measured again
-        est = self.timings.estimate
+        est = self._estimate
         other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) * est(batch, 0) > est(batch, n))),
                     key=lambda n: (self._tried_at.get((b, n), -1), n), default=best)
         self._since_explore[b] += 1
@@ -329,8 +331,7 @@ class DraftLengthController:
                 # per bucket: drafted cycles' seconds beyond the target alone (negative: gained), over served
                 "loss_share": {bucket_label(b): round(loss / served, 4) for b, (loss, served)
                                in sorted(self.shared_loss.items()) if served > 0},
-                "startup_timings": {"target": list(self.timings.target), "drafter": list(self.timings.drafter),
-                                    "drafter_prefill": list(self.timings.drafter_prefill)}}
+                "startup_timings": {name: list(points) for name, points in vars(self.timings).items()}}
 
 
 class FixedLength:
@@ -344,8 +345,7 @@ class FixedLength:
 
     observe = record_cycle = share_due = take_shared = _nothing
 
-    def length(self, batch: int, catch_up: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
-               greedy: int = 0) -> int:
+    def length(self, batch: int, *args: object, **kwargs: object) -> int:
         return self.k
 
     def outlook(self, batches: Sequence[int]) -> str:

@@ -151,17 +151,19 @@ class UniversalProposer:
 
         drafter, prefill = compat.computed_on_tp_rank0(drafter_points)
         target: tuple[tuple[int, float], ...] = ()
+        verify: tuple[tuple[int, float], ...] = ()
         if compat.enforce_eager(self.vllm_config):  # a compiled target is first run by vLLM's own warm-up
             try:
-                target = time_target(target_model, self.vllm_config, token_counts(min(
+                target, verify = time_target(target_model, self.vllm_config, token_counts(min(
                     compat.max_num_seqs(self.vllm_config) * (1 + self.k),
                     compat.max_num_batched_tokens(self.vllm_config), MAX_TIMED_TOKENS)))
             except Exception as exc:  # noqa: BLE001 - the controller then prices steps as measured
                 logger.warning("vllm-usd: timing the target at start-up failed (%s); steps are priced as measured",
                                exc)
         if compat.tp_any(not target):  # every rank goes on alike
-            target = ()
-        return StartupTimings(target=compat.tp_broadcast_from_rank0(target), drafter=drafter, drafter_prefill=prefill)
+            target, verify = (), ()
+        target, verify = compat.tp_broadcast_from_rank0((target, verify))
+        return StartupTimings(target=target, drafter=drafter, drafter_prefill=prefill, verify=verify)
 
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
