@@ -3,7 +3,8 @@
 Both engines are up at once and timed in alternation (as ``interleaved_check.py``). In each worker the
 model runner's methods are wrapped with timers (``execute_model``: the target's forward and logits;
 ``_sample``: the sampler, or vLLM's rejection sampler where drafts were verified;
-``propose_draft_token_ids``: vllm-usd's proposer, drafter included), and the per-step means are printed.
+``propose_draft_token_ids``: vllm-usd's proposer, drafter included; ``usd.*``: the proposer's own phases, as
+``usd.profile`` times them), and the per-step means are printed.
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/step_profile.py --drafter /path/to/hf-folder \\
         --out /tmp/step-profile.json
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_usd.bench.machine import cpu_flags, cpu_model
     from vllm_usd.bench.vllm_systems import engine
     from vllm_usd.config import speculative_args
+    from vllm_usd.vllm_adapter.debug import proposer_stats
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="gemma3-smollm2")
@@ -109,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.never_draft:
         systems[f"usd_k{args.k}"]["speculative_config"]["model"] = "benchmarks.step_profile.NeverDrafts"
     runs: dict[str, list[dict]] = {name: [] for name in systems}
+    seen: dict[tuple[str, str], float] = {}  # (engine, proposer phase) -> its seconds at the last read
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(engine(spec.target, args.batch, extra)) for name, extra in systems.items()}
-        for llm in engines.values():
+        for name, llm in engines.items():
             llm.collective_rpc(install_timers)
             llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=args.temperature, seed=1),
                          use_tqdm=False)
             llm.collective_rpc(read_timers, kwargs={"reset": True})
+            seen.update({(name, key): seconds for key, seconds
+                         in (llm.collective_rpc(proposer_stats)[0] or {}).get("timings", {}).items()})
         for r in range(args.rounds):
             for name, llm in engines.items():
                 start, tokens = time.perf_counter(), 0
@@ -128,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                 totals = llm.collective_rpc(read_timers, kwargs={"reset": True})[0]
                 steps = max(totals.get("execute_model", [0.0, 1])[1], 1)
                 per_step_ms = {key: round(seconds / steps * 1e3, 2) for key, (seconds, _) in sorted(totals.items())}
+                phases = (llm.collective_rpc(proposer_stats)[0] or {}).get("timings", {})  # since start, usd.profile
+                per_step_ms.update({f"usd.{key}": round((seconds - seen.get((name, key), 0.0)) / steps * 1e3, 2)
+                                    for key, seconds in sorted(phases.items())})
+                seen.update({(name, key): seconds for key, seconds in phases.items()})
                 runs[name].append({"round": r, "tok_s": tokens / wall, "steps": steps,
                                    "ms_per_step": wall / steps * 1e3, "per_step_ms": per_step_ms})
                 print(f"{name} round {r}: {tokens / wall:.2f} tok/s, {steps} steps, {wall / steps * 1e3:.1f} ms a step;",
