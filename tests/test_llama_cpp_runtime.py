@@ -78,6 +78,44 @@ def test_rollback_and_batching_give_what_a_fresh_sequence_gives(drafters):
     assert rt.num_requests == 0
 
 
+def test_a_few_tokens_run_one_at_a_time_where_timings_say_that_is_faster(drafters):
+    """one_at_a_time_where_faster: each timed batch that one-token calls in turn beat (here 2 and 4 tokens, not 8)
+    runs as one-token llama_decode calls from then on, and is priced as that many one-token steps. The logits are
+    what one batched call gives, up to rounding, and the KV is the same. Timings where batches are cheaper
+    change nothing."""
+    llama, _ = drafters
+    rt = llama.runtime
+    cheap = ((1, 0.010), (2, 0.015), (4, 0.030))
+    assert rt.one_at_a_time_where_faster(cheap) == cheap
+    calls: list[int] = []
+    decode = rt._decode
+    rt._decode = lambda chunk, out: (calls.append(len(chunk)), decode(chunk, out))
+    p = _ids(llama, PROMPTS[1])
+    try:
+        for r in ("batched", "single"):
+            rt.add(r)
+        rt.forward(["batched", "single"], [0, 0], [p, p])
+        batched = rt.forward(["batched"], [len(p)], [[100, 200, 300]])
+        assert calls[-1] == 3
+        priced = rt.one_at_a_time_where_faster([(1, 0.005), (2, 0.020), (4, 0.030), (8, 0.035)])
+        assert [b for b, _ in priced] == [1, 2, 4, 8]
+        assert [s for _, s in priced] == pytest.approx([0.005, 0.010, 0.020, 0.035])
+        calls.clear()
+        single = rt.forward(["single"], [len(p)], [[100, 200, 300]])
+        assert calls == [1, 1, 1]
+        assert torch.equal(single.argmax(-1), batched.argmax(-1))
+        assert (single - batched).abs().max() < 0.02 * batched.abs().max(), "one kernel or the other: rounding only"
+        calls.clear()
+        after = rt.forward(["batched", "single"], [len(p) + 3] * 2, [[7, 8, 9], [7, 8, 9]])  # 6 tokens: one call
+        assert calls == [6] and rt.cached_tokens("single") == rt.cached_tokens("batched") == p + [100, 200, 300, 7, 8, 9]
+        assert torch.equal(after[0].argmax(-1), after[1].argmax(-1))
+    finally:
+        del rt._decode
+        rt.one_at_a_time_where_faster(cheap)  # as the other tests expect it
+        for r in ("batched", "single"):
+            rt.free(r)
+
+
 def test_sequences_are_limited_and_reused(real_pair):
     from vllm_usd.drafter.select import DrafterChoice, find_gguf, open_drafter
 

@@ -171,6 +171,7 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
         self._free_seqs = list(range(n_seq - 1, -1, -1))
         self._tokens: dict[str, list[int]] = {}
         self.threads = threads
+        self._one_at_a_time_up_to = 0  # a forward of at most this many tokens runs them one per llama_decode
 
     def close(self) -> None:
         """Free the llama.cpp batch, context and model (also on garbage collection)."""
@@ -238,9 +239,21 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             entries += [(int(t), k + j, seq, row if j == last else -1) for j, t in enumerate(new)]
             toks.extend(int(t) for t in new)
         out = torch.full((len(req_ids), self.num_outputs), float("-inf"))  # [B, num_outputs]
-        for start in range(0, len(entries), BATCH_TOKENS):
-            self._decode(entries[start:start + BATCH_TOKENS], out)
+        size = 1 if len(entries) <= self._one_at_a_time_up_to else BATCH_TOKENS
+        for start in range(0, len(entries), size):
+            self._decode(entries[start:start + size], out)
         return out
+
+    def one_at_a_time_where_faster(self, steps: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+        """llama.cpp decodes a one-token batch on its matrix-vector kernels and a longer one on its matrix ones,
+        which can cost far more for a few tokens (Q8_0 on an AVX-512 EPYC: 5.5 ms for one token, 20 ms for two;
+        docs/cpu.md). Every forward of up to the largest timed batch that one-token calls in turn beat runs as
+        one-token calls (each request's tokens in order: the same KV, the same logits up to rounding)."""
+        single = dict(steps).get(1)
+        if single is None:
+            return tuple(steps)
+        self._one_at_a_time_up_to = max((batch for batch, seconds in steps if batch * single < seconds), default=0)
+        return tuple((batch, min(seconds, batch * single)) for batch, seconds in steps)
 
     def _on_drafter_cpus(self, call, *args):
         """``call(*args)`` with this thread's affinity set to the drafter's CPUs, where a caller chose others

@@ -150,8 +150,8 @@ class UniversalProposer:
                 return (), ()
 
         drafter, prefill = compat.computed_on_tp_rank0(drafter_points)
-        target: tuple[tuple[int, float], ...] = ()
-        verify: tuple[tuple[int, float], ...] = ()
+        drafter = self.runtime.one_at_a_time_where_faster(drafter)  # every rank alike, from rank 0's timings
+        target, verify = (), ()  # (tokens, seconds) points: none where the target is compiled
         if compat.enforce_eager(self.vllm_config):  # a compiled target is first run by vLLM's own warm-up
             try:
                 target, verify = time_target(target_model, self.vllm_config, token_counts(min(
