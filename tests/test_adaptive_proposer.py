@@ -129,7 +129,7 @@ def test_load_model_times_the_drafter_and_it_drafts_from_the_first_step():
     p = _loaded()
     timings = p.controller.timings
     assert timings.target == () and [b for b, _ in timings.drafter][:3] == [1, 2, 4]
-    assert [n for n, _ in timings.drafter_prefill] == [32, 128], "a new request's first forward, timed"
+    assert [n for n, _ in timings.drafter_prefill] == [2, 4, 8, 32, 128], "a new request's first forward, timed"
     steps = _serve(p, 40)
     assert all(len(d) == 3 for d in steps[0].values()), "drafts from the first step: k has the most tokens"
     state = p.stats()["controller"]

@@ -60,11 +60,11 @@ def test_a_new_requests_first_forward_is_timed_at_prompt_lengths_the_runtime_hol
     request each time (the runtime asserts it only appends), none left behind; past max_len, not timed."""
     runtime = CostedRuntime(f0=0.004, f1=0.0005)
     points = time_drafter_prefill(runtime, [5, 6, 7], clock=lambda: runtime.now)
-    assert points == ((32, pytest.approx(32 * 0.0045)), (128, pytest.approx(128 * 0.0045)))
+    assert points == tuple((n, pytest.approx(n * 0.0045)) for n in (2, 4, 8, 32, 128))
     assert runtime.num_requests == 0
     short = CostedRuntime(f0=0.004, f1=0.0005)
     short.max_len = 64
-    assert [n for n, _ in time_drafter_prefill(short, [5], clock=lambda: short.now)] == [32]
+    assert [n for n, _ in time_drafter_prefill(short, [5], clock=lambda: short.now)] == [2, 4, 8, 32]
 
 
 def test_batch_sizes_the_runtime_cannot_hold_are_skipped():

@@ -79,14 +79,14 @@ def test_rollback_and_batching_give_what_a_fresh_sequence_gives(drafters):
 
 
 def test_a_few_tokens_run_one_at_a_time_where_timings_say_that_is_faster(drafters):
-    """one_at_a_time_where_faster: each timed batch that one-token calls in turn beat (here 2 and 4 tokens, not 8)
-    runs as one-token llama_decode calls from then on, and is priced as that many one-token steps. The logits are
-    what one batched call gives, up to rounding, and the KV is the same. Timings where batches are cheaper
-    change nothing."""
+    """one_at_a_time_where_faster: each token count timed in one call (B requests' one-token step, a prompt) that
+    one-token calls in turn beat (here 2 and 4 tokens, not 8 or 32) runs as one-token llama_decode calls from
+    then on, and is priced as that many one-token steps. The logits are what one batched call gives, up to
+    rounding, and the KV is the same. Timings where batches are cheaper change nothing."""
     llama, _ = drafters
     rt = llama.runtime
-    cheap = ((1, 0.010), (2, 0.015), (4, 0.030))
-    assert rt.one_at_a_time_where_faster(cheap) == cheap
+    cheap = (((1, 0.010), (2, 0.015)), ((4, 0.030), (32, 0.100)))
+    assert rt.one_at_a_time_where_faster(*cheap) == cheap
     calls: list[int] = []
     decode = rt._decode
     rt._decode = lambda chunk, out: (calls.append(len(chunk)), decode(chunk, out))
@@ -97,9 +97,9 @@ def test_a_few_tokens_run_one_at_a_time_where_timings_say_that_is_faster(drafter
         rt.forward(["batched", "single"], [0, 0], [p, p])
         batched = rt.forward(["batched"], [len(p)], [[100, 200, 300]])
         assert calls[-1] == 3
-        priced = rt.one_at_a_time_where_faster([(1, 0.005), (2, 0.020), (4, 0.030), (8, 0.035)])
-        assert [b for b, _ in priced] == [1, 2, 4, 8]
-        assert [s for _, s in priced] == pytest.approx([0.005, 0.010, 0.020, 0.035])
+        steps, prompts = rt.one_at_a_time_where_faster(((1, 0.005), (2, 0.020)), ((4, 0.030), (8, 0.035), (32, 0.1)))
+        assert [n for n, _ in steps + prompts] == [1, 2, 4, 8, 32]
+        assert [s for _, s in steps + prompts] == pytest.approx([0.005, 0.010, 0.020, 0.035, 0.1])
         calls.clear()
         single = rt.forward(["single"], [len(p)], [[100, 200, 300]])
         assert calls == [1, 1, 1]
@@ -111,7 +111,7 @@ def test_a_few_tokens_run_one_at_a_time_where_timings_say_that_is_faster(drafter
         assert torch.equal(after[0].argmax(-1), after[1].argmax(-1))
     finally:
         del rt._decode
-        rt.one_at_a_time_where_faster(cheap)  # as the other tests expect it
+        rt.one_at_a_time_where_faster(*cheap)  # as the other tests expect it
         for r in ("batched", "single"):
             rt.free(r)
 

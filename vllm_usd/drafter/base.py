@@ -8,6 +8,9 @@ from typing import Sequence
 import torch
 
 
+Points = tuple[tuple[int, float], ...]  # (size, seconds) timings
+
+
 class DrafterRuntime(ABC):
     """A drafter model with a KV cache per request.
 
@@ -118,11 +121,12 @@ class DrafterRuntime(ABC):
         ids = host_ids if host_ids is not None else tokens.tolist()
         return self.forward(req_ids, keep, [[t] for t in ids])
 
-    def one_at_a_time_where_faster(self, steps: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-        """Given one-token forwards timed at batch sizes (``drafting.drafter_timing.time_drafter``), run forwards of
-        a few tokens one token at a time from now on, where that is faster and the runtime can; returns what
-        the forwards then cost at those sizes. This default batches every forward: the timings stand."""
-        return tuple(steps)
+    def one_at_a_time_where_faster(self, steps: Points, prompts: Points) -> tuple[Points, Points]:
+        """Given the start-up timings (``drafting.drafter_timing``: one-token forwards at batch sizes, a new
+        request's first forward at prompt lengths), run forwards of a few tokens one token at a time from now
+        on, where the runtime can and that is faster; returns both timings as forwards then cost. This default
+        batches every forward: the timings stand."""
+        return tuple(steps), tuple(prompts)
 
     def settle_from_host(self, ids: Sequence[int]) -> None:
         """The ids ``forward_next`` was given since the last call, in call order, from the caller's host copy."""

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vllm_usd.drafter.base import DrafterRuntime
+from vllm_usd.drafter.base import DrafterRuntime, Points
 
 logger = logging.getLogger("vllm.usd")
 
@@ -244,16 +244,22 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             self._decode(entries[start:start + size], out)
         return out
 
-    def one_at_a_time_where_faster(self, steps: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    def one_at_a_time_where_faster(self, steps: Points, prompts: Points) -> tuple[Points, Points]:
         """llama.cpp decodes a one-token batch on its matrix-vector kernels and a longer one on its matrix ones,
         which can cost far more for a few tokens (Q8_0 on an AVX-512 EPYC: 5.5 ms for one token, 20 ms for two;
-        docs/cpu.md). Every forward of up to the largest timed batch that one-token calls in turn beat runs as
-        one-token calls (each request's tokens in order: the same KV, the same logits up to rounding)."""
+        docs/cpu.md). Every forward of up to the most tokens that one-token calls in turn beat, of those timed in
+        one call (B requests' one-token step, a prompt), runs as one-token calls: each request's tokens in
+        order, the same KV, the same logits up to rounding."""
         single = dict(steps).get(1)
         if single is None:
-            return tuple(steps)
-        self._one_at_a_time_up_to = max((batch for batch, seconds in steps if batch * single < seconds), default=0)
-        return tuple((batch, min(seconds, batch * single)) for batch, seconds in steps)
+            return tuple(steps), tuple(prompts)
+        self._one_at_a_time_up_to = max((n for n, seconds in (*steps, *prompts) if n * single < seconds), default=0)
+
+        def priced(points: Points) -> Points:
+            return tuple((n, min(seconds, n * single) if n <= self._one_at_a_time_up_to else seconds)
+                         for n, seconds in points)
+
+        return priced(steps), priced(prompts)
 
     def _on_drafter_cpus(self, call, *args):
         """``call(*args)`` with this thread's affinity set to the drafter's CPUs, where a caller chose others

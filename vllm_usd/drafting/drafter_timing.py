@@ -2,7 +2,7 @@
 
 A few throw-away requests, one-token forwards at each batch size, the median after a warm-up forward
 (a runtime's first forwards allocate), and one request's first forward over a prompt of a few lengths
-(what a drafter pays to catch up on a context it never saw): the controller (``controller.py``) prices
+(what a drafter pays to catch up on a context it never saw, or on a few tokens): the controller (``controller.py``) prices
 drafts from what this drafter costs on this device and in this weight format. Under tensor parallelism
 only the group's rank 0 times its drafter, and every rank takes that result (the caller broadcasts it).
 """
@@ -42,8 +42,8 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
 
 
 def time_drafter_prefill(runtime: DrafterRuntime, token_ids: Sequence[int], *,
-                         lengths: Sequence[int] = (CONTEXT_TOKENS, 4 * CONTEXT_TOKENS), clock: Callable[[], float] | None = None,
-                         ) -> tuple[tuple[int, float], ...]:
+                         lengths: Sequence[int] = (2, 4, 8, CONTEXT_TOKENS, 4 * CONTEXT_TOKENS),
+                         clock: Callable[[], float] | None = None) -> tuple[tuple[int, float], ...]:
     """(prompt tokens, median seconds of a new request's first forward over them) at each of ``lengths``
     the runtime holds, never falling as the prompt grows; a fresh request each time."""
     if not token_ids:

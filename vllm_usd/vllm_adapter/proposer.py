@@ -150,7 +150,7 @@ class UniversalProposer:
                 return (), ()
 
         drafter, prefill = compat.computed_on_tp_rank0(drafter_points)
-        drafter = self.runtime.one_at_a_time_where_faster(drafter)  # every rank alike, from rank 0's timings
+        drafter, prefill = self.runtime.one_at_a_time_where_faster(drafter, prefill)  # alike on every rank
         target, verify = (), ()  # (tokens, seconds) points: none where the target is compiled
         if compat.enforce_eager(self.vllm_config):  # a compiled target is first run by vLLM's own warm-up
             try:
