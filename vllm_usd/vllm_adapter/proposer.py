@@ -136,9 +136,9 @@ class UniversalProposer:
         target = compat.target_max_model_len(vllm_config)
         return self.config.drafter_max_model_len or (2 * target + self.k if target else 1 << 30)
 
-    def _startup_timings(self, target_model: Any) -> StartupTimings:
-        """The drafter timed on rank 0, the target on every rank (its collectives must meet); rank 0's
-        figures taken by every rank."""
+    def _startup_timings(self, target_model: Any | None) -> StartupTimings:
+        """The drafter timed on rank 0, the target (where given) on every rank (its collectives must meet);
+        rank 0's figures taken by every rank. The drafter's timings also decide how it runs forwards."""
         def drafter_points() -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
             ids = self.mapping.draft_ids.tolist()
             middle = len(ids) // 2  # ordinary tokens (the lowest ids are often specials and bytes)
@@ -152,7 +152,7 @@ class UniversalProposer:
         drafter, prefill = compat.computed_on_tp_rank0(drafter_points)
         drafter, prefill = self.runtime.one_at_a_time_where_faster(drafter, prefill)  # alike on every rank
         target, verify = (), ()  # (tokens, seconds) points: none where the target is compiled
-        if compat.enforce_eager(self.vllm_config):  # a compiled target is first run by vLLM's own warm-up
+        if target_model is not None and compat.enforce_eager(self.vllm_config):  # compiled: vLLM's warm-up runs it
             try:
                 target, verify = time_target(target_model, self.vllm_config, token_counts(min(
                     compat.max_num_seqs(self.vllm_config) * (1 + self.k),
@@ -168,14 +168,14 @@ class UniversalProposer:
     # -- vLLM hooks ----------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
         """vLLM calls this after loading the target, before it sizes its KV cache: the drafter's memory
-        is allocated here in full (``drafter_memory.py``), and the target and drafter are timed for
-        the draft-length controller."""
+        is allocated here in full (``drafter_memory.py``), the drafter is timed (how it runs forwards), and
+        with adaptive_length the target too, for the draft-length controller."""
         logger.info("%s", allocate_drafter_memory(self.runtime, self._q_buffer,
                                                   compat.gpu_memory_utilization(self.vllm_config)))
+        timings = self._startup_timings(target_model if self.config.adaptive_length else None)
         if self.config.adaptive_length:
             # alone, the costs and losses are taken at every step (nothing to send); under TP, every SHARE_EVERY
-            self.controller = DraftLengthController(self.k, self._startup_timings(target_model),
-                                                    share_every=SHARE_EVERY if compat.tp_size() > 1 else 1)
+            self.controller = DraftLengthController(self.k, timings, share_every=SHARE_EVERY if compat.tp_size() > 1 else 1)
         self.startup_line = self._startup_line()
         logger.info("%s", self.startup_line)
 
