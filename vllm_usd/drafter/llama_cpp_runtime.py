@@ -255,9 +255,8 @@ class LlamaCppDrafterRuntime(DrafterRuntime):
             return tuple(steps), tuple(prompts)
         self._one_at_a_time_up_to = max((n for n, seconds in (*steps, *prompts) if n * single < seconds), default=0)
 
-        def priced(points: Points) -> Points:
-            return tuple((n, min(seconds, n * single) if n <= self._one_at_a_time_up_to else seconds)
-                         for n, seconds in points)
+        def priced(points: Points) -> Points:  # what each size costs as it now runs
+            return tuple((n, n * single if n <= self._one_at_a_time_up_to else seconds) for n, seconds in points)
 
         return priced(steps), priced(prompts)
 
