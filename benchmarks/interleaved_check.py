@@ -1,9 +1,11 @@
 """The target alone and vllm-usd's defaults side by side, interleaved, on one pair.
 
-Both engines are up at once. Every round times each (temperature, batch) setting on one
-engine, then at once on the other (the order rotates by round), so both see the machine
-in the same state: on this VM a lone engine's speed drifts by 10-15% within minutes, which
-a plan that times one engine after the other reads as a speed-up or a slow-down.
+Both engines are up at once. Every round times each (temperature, batch) setting one group of
+prompts at a time (batch 1: one prompt), each group on every engine in turn (the order rotates
+by group and round), so paired timings are seconds apart and see the machine in the same state:
+on these VMs a lone engine's speed drifts by 10-25% within a minute, which a plan that times one
+engine after the other reads as a speed-up or a slow-down. A setting's tok/s on an engine is its
+tokens over its seconds, summed over the groups (each group's seconds are kept in the result).
 The ratio of a setting is the median over rounds of the paired ratios. ``--control`` adds a
 second engine of the target alone, timed the same way: its ratio to the first is the noise
 band of every other ratio in the run (an A/A test).
@@ -40,15 +42,18 @@ def _lengths(llm, proposer_stats) -> dict[str, int]:
     return {key: value for key, value in counters.items() if key.startswith("length_")}
 
 
-def _timed(llm, prompts: list[str], batch: int, temperature: float, max_tokens: int) -> float:
+def _generate(llm, group: list[str], temperature: float, max_tokens: int) -> tuple[int, float]:
+    """(tokens, seconds) of one ``generate`` call over ``group``, all at once."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
-    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    start, tokens = time.perf_counter(), 0
-    for group in groups:
-        tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False))
-    return tokens / (time.perf_counter() - start)
+    start = time.perf_counter()
+    tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False))
+    return tokens, time.perf_counter() - start
+
+
+def _rotated(names: list[str], by: int) -> list[str]:
+    return names[by % len(names):] + names[:by % len(names)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,45 +111,51 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(engine(spec.target, max_batch, extra))
                    for name, extra in systems.items()}
-        def group(kind: str, batch: int) -> list[str]:
-            return prompts[kind][:4] if batch == 1 else prompts[kind][:batch * args.groups]
+        def groups(kind: str, batch: int) -> list[list[str]]:
+            chosen = prompts[kind][:4] if batch == 1 else prompts[kind][:batch * args.groups]
+            return [chosen[i:i + batch] for i in range(0, len(chosen), batch)]
 
         for name, llm in engines.items():  # warm-up
-            _timed(llm, prompts[args.workloads[0]][:2], 2, 0.0, 8)
+            _generate(llm, prompts[args.workloads[0]][:2], 0.0, 8)
             for _ in range(args.warmup_rounds):
                 for kind, max_tokens, temperature, batch in settings:
-                    _timed(llm, group(kind, batch), batch, temperature, max_tokens)
+                    for g in groups(kind, batch):
+                        _generate(llm, g, temperature, max_tokens)
+        drafting = [name for name in systems if name not in ("plain", "control")]
         for r in range(args.rounds):
             for kind, max_tokens, temperature, batch in settings:
-                names = list(systems)  # the order rotates by round (with two engines: alternates)
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
-                    drafts = name not in ("plain", "control")
-                    before = _lengths(engines[name], proposer_stats) if drafts else {}
-                    tok_s = _timed(engines[name], group(kind, batch), batch, temperature, max_tokens)
+                before = {name: _lengths(engines[name], proposer_stats) for name in drafting}
+                tokens, seconds = dict.fromkeys(systems, 0), {name: [] for name in systems}
+                for i, g in enumerate(groups(kind, batch)):
+                    for name in _rotated(list(systems), r + i):
+                        n, s = _generate(engines[name], g, temperature, max_tokens)
+                        tokens[name] += n
+                        seconds[name].append(s)
+                for name in systems:
                     runs[name].append({"round": r, "workload": kind, "max_tokens": max_tokens,
-                                       "temperature": temperature, "batch": batch, "tok_s": tok_s})
-                    if drafts:  # row-steps at each draft length in this cell: what the controller did
+                                       "temperature": temperature, "batch": batch,
+                                       "tok_s": tokens[name] / sum(seconds[name]), "group_seconds": seconds[name]})
+                    if name in drafting:  # row-steps at each draft length in this cell: what the controller did
                         after = _lengths(engines[name], proposer_stats)
-                        runs[name][-1]["row_steps_by_length"] = {n: after[n] - before.get(n, 0) for n in after
-                                                                 if after[n] - before.get(n, 0)}
+                        runs[name][-1]["row_steps_by_length"] = {n: after[n] - before[name].get(n, 0) for n in after
+                                                                 if after[n] - before[name].get(n, 0)}
                     print(json.dumps({"system": name, **runs[name][-1]}), file=sys.stderr, flush=True)
         proposers = {name: {key: (engines[name].collective_rpc(proposer_stats)[0] or {}).get(key)
                             for key in ("counters", "timings", "controller", "controller_summary")}
-                     for name in systems if name not in ("plain", "control")}
+                     for name in drafting}
     rows = []
     for kind, max_tokens, temperature, batch in settings:
-        def of(name):
-            return [x["tok_s"] for x in runs[name] if (x["workload"], x["max_tokens"], x["temperature"], x["batch"])
+        def of(name, key="tok_s"):
+            return [x[key] for x in runs[name] if (x["workload"], x["max_tokens"], x["temperature"], x["batch"])
                     == (kind, max_tokens, temperature, batch)]
 
         row = {"workload": kind, "max_tokens": max_tokens, "temperature": temperature, "batch": batch,
-               "plain_tok_s": of("plain")}
+               "plain_tok_s": of("plain"), "plain_group_seconds": of("plain", "group_seconds")}
         for name in systems:
             if name != "plain":
                 ratios = [u / p for u, p in zip(of(name), of("plain"))]
-                row.update({f"{name}_tok_s": of(name), f"{name}_paired_ratios": ratios,
-                            f"{name}_ratio": statistics.median(ratios)})
+                row.update({f"{name}_tok_s": of(name), f"{name}_group_seconds": of(name, "group_seconds"),
+                            f"{name}_paired_ratios": ratios, f"{name}_ratio": statistics.median(ratios)})
         if "fixed" in systems:  # adaptive against always-k, paired the same way
             row["usd_vs_fixed"] = statistics.median([u / f for u, f in zip(of("usd"), of("fixed"))])
         rows.append(row)

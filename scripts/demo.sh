@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} TOKENIZERS_PARALLELISM=false
-# vLLM's own CPU binding (what a user gets): the target on one CPU per physical core; while it
-# drafts, the drafter uses every CPU (docs/cpu.md, "Threads and binding").
+# vLLM's own CPU binding (what a user gets): the target on one CPU per physical core, and the
+# drafter on the target's CPUs (docs/cpu.md, "Correction (2026-12-05)").
 exec .venv/bin/python examples/demo.py "$@"

@@ -65,6 +65,8 @@ def test_interleaved_check_reports_each_kind_of_prompt_with_its_sources(tmp_path
     result = json.loads(out.read_text())
     assert [(r["workload"], r["max_tokens"]) for r in result["rows"]] == [("code", 8), ("prose", 8), ("chat", 8)]
     assert all(r["usd_ratio"] > 0 and len(r["usd_paired_ratios"]) == 1 for r in result["rows"])
+    # batch 1 takes four prompts, each on both engines in turn: four timed generate calls per engine and round
+    assert all([len(x) for x in r[f"{n}_group_seconds"]] == [4] for r in result["rows"] for n in ("plain", "usd"))
     sources = result["workloads"]["prompts"]
     assert all(".py:" in s for s in sources["code"]) and all("#" in s for s in sources["prose"]), sources
     assert result["host"]["cpu"] and result["workloads"]["python"]
