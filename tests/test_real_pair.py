@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -206,8 +207,12 @@ def test_native_faults_in_the_probe_leave_the_engine_up(real_pair, gemma_referen
     assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is False
     assert stats["counters"]["drafted_rows"] > 0
     assert line in log, "the worker logs the verdict"
-    # the hang costs its time limit; the other children and the reference drafter cost seconds
-    assert start_s < gemma_reference["start_s"] + HangThenCrashProbeProposer.probe_timeout_s + 60
+    # the hang costs its time limit: the probe's other children load a small GGUF each (seconds)
+    probed_s = float(re.search(r"probed in ([0-9.]+) s", line).group(1))
+    assert probed_s < HangThenCrashProbeProposer.probe_timeout_s + 30
+    # the rest is a start-up: loading and timing the drafter scale with the host as the target's start does
+    # (on an AVX2-only EPYC, run alone: 141-145 s with a 31-32 s probe, against the target alone's 52-58 s)
+    assert start_s < probed_s + 60 + 2 * gemma_reference["start_s"]
 
 
 JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
