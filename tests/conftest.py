@@ -11,22 +11,23 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _worker_cpus() -> str | None:
-    """This test worker's share of the CPUs, for its engines' OpenMP threads (scripts/test.sh runs 2 workers).
-
-    vLLM's auto binding puts every engine's threads on the same first core: two workers' engines then
-    ran at half speed each, with the other core nearly idle (on 2 CPUs, 62 s against 31 s for the same
-    batch when both ran at once). Unset under a single process, or where the caller binds."""
+def _worker_cpus() -> list[int]:
+    """This test worker's share of the CPUs (scripts/test.sh runs 2 workers); none under a single process."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or count < 2 or not hasattr(os, "sched_getaffinity"):
-        return None
+        return []
     cpus, index = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw"))
-    share = cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
-    return ",".join(map(str, share)) or None
+    return cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
 
 
-if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and (share := _worker_cpus()):
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = share
+# Each worker computes on its own share, where the caller did not say otherwise: its engines' OpenMP threads
+# are bound to it (vLLM's auto binding put every engine on the first core: two workers' engines ran at half
+# speed each, 62 s against 31 s for the same batch on 2 CPUs), and torch elsewhere (this process, the
+# scripts a test runs) takes as many threads (a team of 2 beside a busy core waits on it: scripts/gpu_check.py
+# took 236 s beside the other worker's engine, against 110 s alone).
+if share := _worker_cpus():
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, share)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
 
 
 # The files that take longest (engines on the real pair, the sampling tests), started first so that

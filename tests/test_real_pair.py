@@ -102,10 +102,10 @@ def test_translator_invariant_on_real_text(tokenizers, target, drafter):
 
 
 # -- inside vLLM ------------------------------------------------------------------------------
-def _greedy(llm, n_tokens: int = 64):
+def _greedy(llm, n_tokens: int = 64, prompts: int = len(PROMPTS)):
     from vllm import SamplingParams
 
-    return token_ids(llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
+    return token_ids(llm.generate(PROMPTS[:prompts], SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
                                   use_tqdm=False))
 
 
@@ -197,12 +197,12 @@ def test_native_faults_in_the_probe_leave_the_engine_up(real_pair, gemma_referen
     with engine(real_pair["gemma3"], drafter=real_pair["smollm2"], k=3, proposer=HangThenCrashProbeProposer,
                 usd={"drafter_gguf_type": "file"}, env={"VLLM_USD_CACHE": str(tmp_path)}, **REAL_ENGINE) as llm:
         start_s = time.perf_counter() - started
-        got = _greedy(llm)
+        got = _greedy(llm, prompts=8)  # lossless after the probe's fallback (the other tests cover all prompts)
         stats = proposer_stats(llm)
     log = "".join(capfd.readouterr())  # vLLM's log handler writes to stdout
     line = stats["drafter_probe"]
     print(f"\nstarted in {start_s:.0f} s (the target alone: {gemma_reference['start_s']:.0f} s)\n{line}")
-    assert got == gemma_reference["greedy"]
+    assert got == gemma_reference["greedy"][:8]
     assert "hung (over 20 s)" in line and "crashed (SIGSEGV)" in line and "no extra buffer types" in line
     assert stats["drafter_runtime"] == "llama_cpp" and stats["native_settings"]["extra_buffer_types"] is False
     assert stats["counters"]["drafted_rows"] > 0
