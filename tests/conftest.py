@@ -20,14 +20,12 @@ def _worker_cpus() -> list[int]:
     return cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
 
 
-# Each worker computes on its own share, where the caller did not say otherwise: its engines' OpenMP threads
-# are bound to it (vLLM's auto binding put every engine on the first core: two workers' engines ran at half
-# speed each, 62 s against 31 s for the same batch on 2 CPUs), and torch elsewhere (this process, the
-# scripts a test runs) takes as many threads (a team of 2 beside a busy core waits on it: scripts/gpu_check.py
-# took 236 s beside the other worker's engine, against 110 s alone).
+# Each worker's engines bind their OpenMP threads to its share, where the caller did not bind: vLLM's auto
+# binding put every engine on the first core, and two workers' engines ran at half speed each (62 s against
+# 31 s for the same batch on 2 CPUs). Torch elsewhere keeps its threads: one per share (OMP_NUM_THREADS) made
+# the suite slower on 2 CPUs, 44 min 24 s against 41 min 45 s, with less CPU time used (52 against 61 min).
 if share := _worker_cpus():
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, share)))
-    os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
 
 
 # The files that take longest (engines on the real pair, the sampling tests), started first so that
