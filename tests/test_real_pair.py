@@ -105,8 +105,8 @@ def test_translator_invariant_on_real_text(tokenizers, target, drafter):
 def _greedy(llm, n_tokens: int = 64, prompts: int = len(PROMPTS)):
     from vllm import SamplingParams
 
-    return token_ids(llm.generate(PROMPTS[:prompts], SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True),
-                                  use_tqdm=False))
+    params = SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+    return token_ids(llm.generate(PROMPTS[:prompts], params, use_tqdm=False))
 
 
 REAL_ENGINE = dict(max_model_len=1024, max_num_seqs=32)
