@@ -174,7 +174,8 @@ def test_prefill_rows_and_drafter_context_limit(pair):
     assert drafts["long"] == [] and p.counters["skipped_context_full"] == 1, "not re-translated every step"
     runner.remove("long")
     runner.step(p, {"short": [5]}, finished={"long"})
-    assert not p.requests.is_undraftable("long")
+    runner.add("long", _prompt(pair, " the"))  # the id again, a new request: not held to the old one's limit
+    assert runner.step(p, {"short": [5]})["long"]
 
 
 def test_a_step_with_more_rows_than_drafter_max_num_seqs_drafts_nothing(pair):

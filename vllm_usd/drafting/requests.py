@@ -102,9 +102,6 @@ class RequestTable:
     def get(self, req_id: str) -> RequestState | None:
         return self._states.get(req_id)
 
-    def is_undraftable(self, req_id: str) -> bool:
-        return req_id in self._undraftable
-
     # -- lifecycle -------------------------------------------------------------------------
     def free(self, req_id: str) -> None:
         """Drop the request's drafting state and drafter KV (it may come back later)."""
