@@ -1,10 +1,10 @@
 """The drafter's forward, timed once at start-up on the runtime it drafts with.
 
-A few throw-away requests, one-token forwards at each batch size, the median after a warm-up forward
-(a runtime's first forwards allocate), and one request's first forward over a prompt of a few lengths
-(what a drafter pays to catch up on a context it never saw, or on a few tokens): the controller (``controller.py``) prices
-drafts from what this drafter costs on this device and in this weight format. Under tensor parallelism
-only the group's rank 0 times its drafter, and every rank takes that result (the caller broadcasts it).
+A few throw-away requests, one-token forwards at each batch size, the median after a warm-up forward (a runtime's
+first forwards allocate), and one request's first forward over a prompt of a few lengths (what a drafter pays to catch
+up on a context it never saw, or on a few tokens): the controller (``controller.py``) prices drafts from what this
+drafter costs on this device and in this weight format. Under tensor parallelism only the group's rank 0 times its
+drafter, and every rank takes that result (the caller broadcasts it).
 """
 
 from __future__ import annotations
