@@ -25,9 +25,10 @@ or tokens emitted while nothing was drafted), the step drafts only if what draft
 have left (as far as max_tokens says) exceeds the catch-up, priced as a prompt of that many tokens (the drafter's
 first forward timed at start-up): the drafter's prompt is paid once per request, where it pays back. Now and then a
 step takes another length, the one tried least recently (never tried first, the shorter on a tie) of plain and those
-that would beat plain at the start-up estimate were every draft accepted, so that a length that looked worse is
-measured again: in each bucket, once the steps since its last such step number ``EXPLORE_EVERY`` times that length's
-cost over the best's. A drafted length explored after a plain step is taken twice where the next step's rows have
+that would beat plain at the start-up estimate were the next 2 drafts at each position accepted (every draft, once
+what was measured there weighs 4 or less), so that a length that looked worse is measured again: in each bucket, once
+the steps since its last such step number ``EXPLORE_EVERY`` times that length's cost over the best's. A drafted length
+explored after a plain step is taken twice where the next step's rows have
 caught up (the same requests): the first cycle pays the catch-up, the second is measured.
 
 **What exploring may cost is bounded** (the loss budget). Every measured drafted cycle is compared with the target
@@ -131,9 +132,11 @@ class _Acceptance:
         for j in range(min(num_accepted + 1, scheduled)):
             self.accepted[j], self.offered[j] = self.accepted[j] + float(j < num_accepted), self.offered[j] + 1.0
 
-    def rates(self, step: int) -> list[float]:
+    def rates(self, step: int, hope: bool = False) -> list[float]:
+        """The share accepted at each position (``hope``: what exploring hopes for, see the module's docstring)."""
         self._fade_to(step)
-        return [a / o for a, o in zip(self.accepted, self.offered)]
+        extra = ACCEPTANCE_PRIOR[1] if hope else 0.0
+        return [(a + extra) / (o + extra) if o > 2 * extra else 1.0 for a, o in zip(self.accepted, self.offered)]
 
 
 class DraftLengthController:
@@ -197,17 +200,17 @@ class DraftLengthController:
         self.shared, self.shared_loss = shared["cells"], shared["loss"]
 
     # -- this step ---------------------------------------------------------------------------------
-    def acceptance(self, greedy: bool) -> list[float]:
-        """The estimated acceptance at each draft position, of greedy rows or of sampled ones."""
-        return self._acceptance[greedy].rates(self._steps)
+    def acceptance(self, greedy: bool, hope: bool = False) -> list[float]:
+        """The estimated acceptance at each draft position, of greedy rows or of sampled ones (or ``hope``d)."""
+        return self._acceptance[greedy].rates(self._steps, hope)
 
-    def expected_tokens(self, length: int, greedy_share: float = 0.0) -> float:
+    def expected_tokens(self, length: int, greedy_share: float = 0.0, hope: bool = False) -> float:
         """Tokens a row is expected to emit in a cycle drafting ``length``, a ``greedy_share`` of the rows greedy."""
         total = 0.0
         for greedy, share in ((True, greedy_share), (False, 1.0 - greedy_share)):
             if share > 0:
                 tokens, reach = 1.0, 1.0
-                for rate in self.acceptance(greedy)[:length]:
+                for rate in self.acceptance(greedy, hope)[:length]:
                     reach *= rate
                     tokens += reach
                 total += share * tokens
@@ -242,8 +245,8 @@ class DraftLengthController:
         rates = self.rates(batch, share)
         best = self.best[b] = max(range(self.k + 1), key=lambda n: (rates[n], -n))
         # not at measured costs: a length once mismeasured would never be measured again
-        est = self._estimate
-        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or (1 + n) * est(batch, 0) > est(batch, n))),
+        est, hope = self._estimate, lambda n: self.expected_tokens(n, share, hope=True)
+        other = min((n for n in range(self.k + 1) if n != best and (n == 0 or hope(n) * est(batch, 0) > est(batch, n))),
                     key=lambda n: (self._tried_at.get((b, n), -1), n), default=best)
         self._since_explore[b] += 1
         chosen, outlook = best, None
