@@ -19,16 +19,10 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
 
 @contextlib.contextmanager
 def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str, str] | None = None,
-           usd: dict[str, Any] | None = None, proposer: type | None = None, in_process: bool = True,
-           **kwargs: Any) -> Iterator[Any]:
+           usd: dict[str, Any] | None = None, proposer: type | None = None, **kwargs: Any) -> Iterator[Any]:
     """An ``LLM`` for ``model``, with vllm-usd drafting from ``drafter`` if given.
 
     ``proposer``: a class from tests.faults to use instead of vllm_usd.UniversalProposer.
-    ``in_process``: vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), not in a
-    spawned one: a start about 30 s shorter on 2 CPUs (94 s against 36 s for tests/test_engine_memory.py's
-    two engines). Its worker and proposer are the same code either way; what users run, a spawned engine core
-    that imports vllm-usd through the plugin entry point, is covered by the served tests, the examples and
-    the tests that start ``LLM()`` in a fresh interpreter.
     Drafting is at a fixed k (``adaptive_length: false``), for up to ``max_num_seqs`` rows, unless ``usd`` says otherwise:
     most engine tests check the drafting machinery and count drafts at every batch size;
     the tests with ``adaptive_length`` on say so.
@@ -55,8 +49,7 @@ def engine(model: str, *, drafter: str | None = None, k: int = 3, env: dict[str,
     if proposer is not None:  # the engine's processes import it by name
         args["speculative_config"]["model"] = f"{proposer.__module__}.{proposer.__qualname__}"
     # the workers import tests.faults: a proposer class named above, or a fault planted later (tests.faults.planted)
-    env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-           **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
+    env = {**(env or {}), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     saved = {key: os.environ.get(key) for key in (env or {})}
     os.environ.update(env or {})
     llm = LLM(model=model, **args)
