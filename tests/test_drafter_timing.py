@@ -10,7 +10,8 @@ import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
 from vllm_usd.drafting.controller import interpolate
-from vllm_usd.drafting.drafter_timing import TIMING_BATCHES, time_drafter, time_drafter_prefill
+from vllm_usd.drafting.drafter_timing import CONTEXT_TOKENS, TIMING_BATCHES, time_drafter, time_drafter_prefill
+from vllm_usd.drafting.timing import TIMED_CALLS, TIMED_SECONDS
 
 
 class CostedRuntime(DrafterRuntime):
@@ -23,6 +24,7 @@ class CostedRuntime(DrafterRuntime):
         self.now = 0.0
         self.num_outputs, self.max_len = 8, 1 << 20
         self.batches: list[int] = []
+        self.lengths: list[int] = []  # per forward: the most new tokens a request got
 
     kv_bytes = 0
     param_bytes = 0
@@ -43,6 +45,7 @@ class CostedRuntime(DrafterRuntime):
         first = 10.0 if len(self.batches) < 2 or self.batches[-1] != len(req_ids) else 1.0  # warm-up is slow
         self.now += first * self.cost(len(req_ids)) * max(len(new) for new in new_tokens)
         self.batches.append(len(req_ids))
+        self.lengths.append(max(len(new) for new in new_tokens))
         return torch.zeros(len(req_ids), self.num_outputs)
 
 
@@ -53,6 +56,8 @@ def test_each_batch_size_is_timed_after_its_warm_up_and_the_requests_freed():
         "the slow warm-up forward of each batch size is not what counts"
     assert runtime.num_requests == 0, "the throw-away requests are gone"
     assert sorted(set(runtime.batches)) == sorted(TIMING_BATCHES)
+    contexts = [b for b, n in zip(runtime.batches, runtime.lengths) if n == CONTEXT_TOKENS]
+    assert sum(contexts) == max(TIMING_BATCHES), "each throw-away request reads its context once"
 
 
 def test_a_new_requests_first_forward_is_timed_at_prompt_lengths_the_runtime_holds():
@@ -62,6 +67,9 @@ def test_a_new_requests_first_forward_is_timed_at_prompt_lengths_the_runtime_hol
     points = time_drafter_prefill(runtime, [5, 6, 7], clock=lambda: runtime.now)
     assert points == tuple((n, pytest.approx(n * 0.0045)) for n in (2, 4, 8, 32, 128))
     assert runtime.num_requests == 0
+    # 128 tokens take 0.58 s here: after the warm-up, 3 timed calls pass TIMED_SECONDS; 2 tokens get all 9
+    assert runtime.lengths.count(128) == 1 + 3 and runtime.lengths.count(2) == 1 + TIMED_CALLS
+    assert 3 * 128 * 0.0045 > TIMED_SECONDS > TIMED_CALLS * 8 * 0.0045
     short = CostedRuntime(f0=0.004, f1=0.0005)
     short.max_len = 64
     assert [n for n, _ in time_drafter_prefill(short, [5], clock=lambda: short.now)] == [2, 4, 8, 32]

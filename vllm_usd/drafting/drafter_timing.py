@@ -1,7 +1,7 @@
 """The drafter's forward, timed once at start-up on the runtime it drafts with.
 
 A few throw-away requests, one-token forwards at each batch size, the median after a warm-up forward (a runtime's
-first forwards allocate), and one request's first forward over a prompt of a few lengths (what a drafter pays to catch
+first forwards allocate; fewer calls where they are long), and one request's first forward over a prompt of a few lengths (what a drafter pays to catch
 up on a context it never saw, or on a few tokens): the controller (``controller.py``) prices drafts from what this
 drafter costs on this device and in this weight format. Under tensor parallelism only the group's rank 0 times its
 drafter, and every rank takes that result (the caller broadcasts it).
@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
-from vllm_usd.drafting.timing import median_seconds
+from vllm_usd.drafting.timing import TIMED_SECONDS, median_seconds
 
 TIMING_BATCHES = (1, 2, 4, 8, 16)  # batch sizes timed (as far as the runtime takes that many requests)
 CONTEXT_TOKENS = 32  # each throw-away request's context before the timed forwards
@@ -27,17 +27,28 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
     (its request limit, its KV budget), never falling as the batch grows.
 
     ``token_ids``: drafter ids to fill the contexts with (any real tokens: the cost does not depend
-    on which).
+    on which). The throw-away requests are added as the batch grows, each reading its context once.
     """
     if not token_ids:
         raise ValueError("time_drafter needs at least one drafter token id")
     context = [token_ids[i % len(token_ids)] for i in range(CONTEXT_TOKENS)]
+    held: dict[str, int] = {}  # throw-away request -> tokens it holds
     points: list[tuple[int, float]] = []
-    for batch in sorted(set(batches)):
-        seconds = _time_batch(runtime, batch, context, clock)
-        if seconds is None:
-            break
-        points.append((batch, max(seconds, points[-1][1]) if points else seconds))
+    try:
+        for batch in sorted(set(batches)):
+            new = [f"{_REQUEST_PREFIX}{i}" for i in range(len(held), batch)]
+            for req_id in new:
+                if not runtime.add(req_id):
+                    return tuple(points)
+                held[req_id] = 0
+            if new:
+                _wait(runtime.forward(new, [0] * len(new), [context] * len(new)))
+                held.update(dict.fromkeys(new, len(context)))
+            seconds = _time_step(runtime, held, context, clock)
+            points.append((batch, max(seconds, points[-1][1]) if points else seconds))
+    finally:
+        for req_id in held:
+            runtime.free(req_id)
     return tuple(points)
 
 
@@ -62,37 +73,27 @@ def time_drafter_prefill(runtime: DrafterRuntime, token_ids: Sequence[int], *,
             _wait(runtime.forward([req_id], [0], [prompt]))
 
         try:
-            seconds = median_seconds(first_forward, clock=clock)
+            seconds = median_seconds(first_forward, clock=clock, seconds=TIMED_SECONDS)
         finally:
             runtime.free(req_id)
         points.append((length, max(seconds, points[-1][1]) if points else seconds))
     return tuple(points)
 
 
-def _time_batch(runtime: DrafterRuntime, batch: int, context: list[int],
-                clock: Callable[[], float] | None) -> float | None:
-    """Median seconds of a one-token forward of ``batch`` requests; None if the runtime cannot hold them."""
-    added: list[str] = []
-    try:
-        for i in range(batch):
-            req_id = f"{_REQUEST_PREFIX}{batch}-{i}"
-            if not runtime.add(req_id):
-                return None
-            added.append(req_id)
-        _wait(runtime.forward(added, [0] * batch, [context] * batch))
-        length = len(context)
+def _time_step(runtime: DrafterRuntime, held: dict[str, int], context: list[int],
+               clock: Callable[[], float] | None) -> float:
+    """Median seconds of a one-token forward of every request in ``held`` (advancing what each holds)."""
+    req_ids = list(held)
 
-        def forward() -> None:
-            # on the path drafts take: ids already on the device (captured graphs, where a runtime has them)
-            nonlocal length
-            tokens = torch.full((batch,), context[length % len(context)], dtype=torch.long, device=runtime.device)
-            _wait(runtime.forward_next(added, [length] * batch, tokens))
-            length += 1
+    def forward() -> None:
+        # on the path drafts take: ids already on the device (captured graphs, where a runtime has them)
+        lengths = [held[req_id] for req_id in req_ids]
+        tokens = torch.tensor([context[n % len(context)] for n in lengths], dtype=torch.long, device=runtime.device)
+        _wait(runtime.forward_next(req_ids, lengths, tokens))
+        for req_id in req_ids:
+            held[req_id] += 1
 
-        return median_seconds(forward, clock=clock)
-    finally:
-        for req_id in added:
-            runtime.free(req_id)
+    return median_seconds(forward, clock=clock, seconds=TIMED_SECONDS)
 
 
 def _wait(logits) -> None:
