@@ -1,7 +1,7 @@
 """The drafter's forward, timed once at start-up on the runtime it drafts with.
 
 A few throw-away requests, one-token forwards at each batch size, the median after a warm-up forward (a runtime's
-first forwards allocate; fewer calls where they are long), and one request's first forward over a prompt of a few lengths (what a drafter pays to catch
+first forwards allocate), and one request's first forward over a prompt of a few lengths (what a drafter pays to catch
 up on a context it never saw, or on a few tokens): the controller (``controller.py``) prices drafts from what this
 drafter costs on this device and in this weight format. Under tensor parallelism only the group's rank 0 times its
 drafter, and every rank takes that result (the caller broadcasts it).
@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from vllm_usd.drafter.base import DrafterRuntime
-from vllm_usd.drafting.timing import TIMED_SECONDS, median_seconds
+from vllm_usd.drafting.timing import TIMED_CALLS, median_seconds
 
 TIMING_BATCHES = (1, 2, 4, 8, 16)  # batch sizes timed (as far as the runtime takes that many requests)
 CONTEXT_TOKENS = 32  # each throw-away request's context before the timed forwards
@@ -41,9 +41,8 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
                 if not runtime.add(req_id):
                     return tuple(points)
                 held[req_id] = 0
-            if new:
-                _wait(runtime.forward(new, [0] * len(new), [context] * len(new)))
-                held.update(dict.fromkeys(new, len(context)))
+            _wait(runtime.forward(new, [0] * len(new), [context] * len(new)))  # batches only grow: new is never empty
+            held.update(dict.fromkeys(new, len(context)))
             seconds = _time_step(runtime, held, context, clock)
             points.append((batch, max(seconds, points[-1][1]) if points else seconds))
     finally:
@@ -54,9 +53,9 @@ def time_drafter(runtime: DrafterRuntime, token_ids: Sequence[int], *, batches: 
 
 def time_drafter_prefill(runtime: DrafterRuntime, token_ids: Sequence[int], *,
                          lengths: Sequence[int] = (2, 4, 8, CONTEXT_TOKENS, 4 * CONTEXT_TOKENS),
-                         clock: Callable[[], float] | None = None) -> tuple[tuple[int, float], ...]:
-    """(prompt tokens, median seconds of a new request's first forward over them) at each of ``lengths``
-    the runtime holds, never falling as the prompt grows; a fresh request each time."""
+                         clock: Callable[[], float] | None = None, repeats: int = TIMED_CALLS) -> tuple[tuple[int, float], ...]:
+    """(prompt tokens, median seconds of ``repeats`` first forwards of a new request over them) at each of
+    ``lengths`` the runtime holds, never falling as the prompt grows; a fresh request each time."""
     if not token_ids:
         raise ValueError("time_drafter_prefill needs at least one drafter token id")
     points: list[tuple[int, float]] = []
@@ -73,7 +72,7 @@ def time_drafter_prefill(runtime: DrafterRuntime, token_ids: Sequence[int], *,
             _wait(runtime.forward([req_id], [0], [prompt]))
 
         try:
-            seconds = median_seconds(first_forward, clock=clock, seconds=TIMED_SECONDS)
+            seconds = median_seconds(first_forward, clock=clock, repeats=repeats)
         finally:
             runtime.free(req_id)
         points.append((length, max(seconds, points[-1][1]) if points else seconds))
@@ -93,7 +92,7 @@ def _time_step(runtime: DrafterRuntime, held: dict[str, int], context: list[int]
         for req_id in req_ids:
             held[req_id] += 1
 
-    return median_seconds(forward, clock=clock, seconds=TIMED_SECONDS)
+    return median_seconds(forward, clock=clock)
 
 
 def _wait(logits) -> None:

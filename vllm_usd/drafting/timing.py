@@ -9,17 +9,15 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 TIMED_CALLS = 9  # calls timed by ``median_seconds``, after one untimed warm-up call
-TIMED_SECONDS = 0.5  # ... fewer once the timed calls took this long (a drafter's first forward over 128 tokens: 1 s)
 
 
 def median_seconds(call: Callable[[], None], *, clock: Callable[[], float] | None = None,
-                   repeats: int = TIMED_CALLS, seconds: float = float("inf")) -> float:
-    """The median wall time of ``repeats`` calls of ``call``, after one untimed (a first call allocates);
-    no more calls once the timed ones took ``seconds``, but at least 3 (their median drops one outlier)."""
+                   repeats: int = TIMED_CALLS) -> float:
+    """The median wall time of ``repeats`` calls of ``call``, after one untimed (a first call allocates)."""
     clock = clock or time.perf_counter
     call()
-    times: list[float] = []
-    while len(times) < repeats and (len(times) < 3 or sum(times) < seconds):
+    times = []
+    for _ in range(repeats):
         start = clock()
         call()
         times.append(clock() - start)

@@ -34,7 +34,7 @@ from vllm_usd.vllm_adapter.digests import StepDigests
 from vllm_usd.vllm_adapter.drafter_memory import allocate_drafter_memory
 from vllm_usd.vllm_adapter.failures import PEER_FAILED, FailureCounts
 from vllm_usd.vllm_adapter.q_buffer import DraftProbsBuffer
-from vllm_usd.vllm_adapter.target_timing import MAX_TIMED_TOKENS, time_target, token_counts
+from vllm_usd.vllm_adapter.target_timing import MAX_TIMED_TOKENS, TARGET_REPEATS, time_target, token_counts
 
 logger = logging.getLogger("vllm.usd")
 
@@ -137,14 +137,14 @@ class UniversalProposer:
         return self.config.drafter_max_model_len or (2 * target + self.k if target else 1 << 30)
 
     def _startup_timings(self, target_model: Any | None) -> StartupTimings:
-        """The drafter timed on rank 0, the target (where given) on every rank (its collectives must meet);
-        rank 0's figures taken by every rank. The drafter's timings also decide how it runs forwards."""
+        """The drafter timed on rank 0 (its prompts as often as the target: they run long), the target (where given) on
+        every rank (its collectives must meet); rank 0's figures taken by every rank, which also decide how the drafter runs."""
         def drafter_points() -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
             ids = self.mapping.draft_ids.tolist()
             middle = len(ids) // 2  # ordinary tokens (the lowest ids are often specials and bytes)
             ordinary = ids[middle:middle + 4 * CONTEXT_TOKENS] or ids
             try:
-                return time_drafter(self.runtime, ordinary), time_drafter_prefill(self.runtime, ordinary)
+                return time_drafter(self.runtime, ordinary), time_drafter_prefill(self.runtime, ordinary, repeats=TARGET_REPEATS)
             except Exception as exc:  # noqa: BLE001 - the controller then measures while serving only
                 logger.warning("vllm-usd: timing the drafter failed (%s); drafts are priced as measured", exc)
                 return (), ()
