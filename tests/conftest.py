@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Every Python process the tests start exits without its last garbage collection (process_exit/sitecustomize.py):
+# vLLM's engine processes exit without their last garbage collection (process_exit/sitecustomize.py):
 # each vLLM engine closes in about 2 s rather than 5.
 PROCESS_EXIT = str(Path(__file__).parent / "process_exit")
 if PROCESS_EXIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
