@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import gc
 import hashlib
 import importlib.util
 import json
@@ -87,11 +88,28 @@ def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _parse(path: str, mtime_ns: int) -> ast.Module | None:
+def _fingerprints_in(path: str, mtime_ns: int, qualnames: tuple[str, ...]) -> dict[str, str | None]:
+    """{qualified name: fingerprint, or None if absent} for functions of one file, from one parse.
+
+    Every vLLM process computes these (``plugin.register``), for every user. Only the fingerprints are kept:
+    keeping the trees held about 119,000 objects in each process. The collector is paused while the trees are
+    built, as their objects set off collections that walk vLLM's whole heap. On a 2-CPU EPYC with vLLM imported,
+    register() took 0.24-0.26 s, against 0.32-0.40 s before."""
     try:
-        return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return None
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return dict.fromkeys(qualnames)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        tree = ast.parse(text, filename=path)
+        nodes = {name: _find(tree, name) for name in qualnames}
+        return {name: fingerprint_node(node) if node is not None else None for name, node in nodes.items()}
+    except SyntaxError:
+        return dict.fromkeys(qualnames)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def fingerprint(root: str | Path, key: str) -> str | None:
@@ -102,9 +120,8 @@ def fingerprint(root: str | Path, key: str) -> str | None:
         mtime = path.stat().st_mtime_ns
     except OSError:
         return None
-    tree = _parse(str(path), mtime)
-    node = _find(tree, qualname) if tree is not None else None
-    return fingerprint_node(node) if node is not None else None
+    in_file = tuple(sorted(name for file, name in FUNCTIONS.values() if file == rel))
+    return _fingerprints_in(str(path), mtime, in_file)[qualname]
 
 
 # --- checking ----------------------------------------------------------------------------------
